@@ -1,0 +1,52 @@
+"""The ``jaxlab`` command: a thin click layer over the keyword-only APIs of each verb."""
+
+import sys
+
+import click
+
+
+@click.group()
+def main():
+    """Build and grade the JAX parallelism labs."""
+
+
+@main.command()
+@click.option("--check", is_flag=True,
+              help="Exit non-zero if the committed releases differ from what the masters build.")
+@click.option("--root", type=click.Path(exists=True, file_okay=False), default=".",
+              show_default=True, help="Repository root holding assignments/.")
+@click.argument("names", nargs=-1)
+def release(check, root, names):
+    """Build student/, solutions/ and autograder/ from the masters in assignments/."""
+    from .release import release as run_release
+
+    ok = run_release(root=root, names=list(names) or None, check=check)
+    sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("-o", "--output-dir", default="grades", show_default=True,
+              help="Where final_grades.csv, summaries and plots are written.")
+@click.option("--workers", type=int, default=None,
+              help="Submissions graded at once (default: one per core).")
+@click.option("--timeout", type=float, default=600, show_default=True,
+              help="Wall-clock limit in seconds for one submission.")
+@click.option("--cell-timeout", type=float, default=300, show_default=True,
+              help="Limit in seconds for one cell; a cell over it is interrupted.")
+@click.option("--memory", "memory_mb", type=int, default=4096, show_default=True,
+              help="Memory cap per submission in MiB.")
+@click.option("--assignment", default=None,
+              help="Which shipped lab to grade against (default: guessed from the notebooks).")
+@click.option("--autograder", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Any otter autograder zip instead of a shipped one.")
+@click.option("--force", is_flag=True, help="Grade again what OUTPUT_DIR already holds.")
+def grade(paths, output_dir, workers, timeout, cell_timeout, memory_mb, assignment, autograder,
+          force):
+    """Grade submissions (.ipynb, grader.export() zips, or folders of them) without Docker."""
+    from .grade import grade as run_grade
+
+    ok = run_grade(paths=list(paths), output_dir=output_dir, workers=workers, timeout=timeout,
+                   cell_timeout=cell_timeout, memory_mb=memory_mb, assignment=assignment,
+                   autograder=autograder, force=force)
+    sys.exit(0 if ok else 1)
