@@ -80,7 +80,7 @@ def evidence(value):
         return {"kind": "set", "items": [evidence(v) for v in value]}
     if cls is dict:
         return {"kind": "dict", "items": [[evidence(k), evidence(v)] for k, v in value.items()]}
-    if cls.__name__ == "PartitionSpec" and cls.__module__.startswith("jax"):
+    if cls.__name__ in ("PartitionSpec", "P") and cls.__module__.startswith("jax"):
         return {"kind": "spec", "entries": [_spec_entry(e) for e in value]}
     if cls.__module__.startswith(("jax", "jaxlib")) and hasattr(value, "platform") \
             and hasattr(value, "id"):

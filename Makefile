@@ -1,0 +1,21 @@
+# Two entry points for a fresh machine (see README): `make release` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: release check test
+
+$(BIN)/jaxlab: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+release: $(BIN)/jaxlab
+	$(BIN)/jaxlab release
+
+check: $(BIN)/jaxlab
+	$(BIN)/jaxlab release --check
+
+test: $(BIN)/jaxlab
+	$(BIN)/python -m pytest

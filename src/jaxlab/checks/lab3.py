@@ -1,0 +1,593 @@
+"""Hidden checks of Lab 3 (shipped only in the autograder zip, as ``jaxlab_lab3.py``).
+
+Each question has a probe, which runs in the student's kernel and reduces the graded variables
+to plain data (see ``form``), and a verdict, which judges that data and raises AssertionError
+with a message in the student's terms. Every reference is recomputed here from the lab's own
+recipe (the same keys, shapes and code as the notebook), never read from the notebook.
+"""
+
+import contextlib
+import functools
+import io
+import math
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+try:
+    from . import form
+except ImportError:  # in the autograder the checks are flat modules beside the notebook
+    import jaxlab_form as form
+
+# Float32 results computed in another order (another device count, another mesh) differ from
+# the float64 NumPy references by a few ulps; anything past these tolerances is a wrong answer.
+RTOL = 1e-4
+ATOL = 1e-5
+# Sharded and single-device training agree to ~1e-7; the tolerance leaves room for other
+# device counts while still catching a wrong learning rate or a missing step.
+TRAIN_RTOL = 1e-3
+TRAIN_ATOL = 1e-5
+# A correct timing lies within this factor of the probe's own measurement on the same machine;
+# forgetting block_until_ready is ~1000x off, timing the compile ~10-50x.
+TIMING_FACTOR = 10
+MESH_SIZES = (4, 8)
+FRESH_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Question:
+    names: tuple
+    probe: Callable
+    verdict: Callable
+
+
+def probe(question, values):
+    """Evidence for ``question`` from the student's ``values`` (runs in the student's kernel)."""
+    return QUESTIONS[question].probe(values)
+
+
+def verdict(question, ev):
+    """Raise AssertionError with a message for the student unless the evidence is right."""
+    QUESTIONS[question].verdict(ev)
+
+
+def check(question, **values):
+    verdict(question, probe(question, values))
+
+
+# --------------------------------------------------------------------------- probes
+def _evidence_of(values):
+    return {name: form.evidence(value) for name, value in values.items()}
+
+
+def _call(fn, *args):
+    """Call a student's function, keeping what it prints and how it fails."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            result = fn(*args)
+        return {"printed": out.getvalue(), "output": form.evidence(result)}
+    except Exception as exc:
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        return {"printed": out.getvalue(),
+                "error": f"{type(exc).__name__}: {exc}".strip()[:600],
+                "where": f"line {last.lineno} of {os.path.basename(last.filename)}"}
+
+
+def _fresh_layer_inputs(rows=FRESH_ROWS):
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    return (rng.normal(size=(rows, 10)).astype(np.float32),
+            rng.normal(size=(10, 2)).astype(np.float32),
+            rng.normal(size=(2,)).astype(np.float32))
+
+
+def _fresh_evidence(xf, Wf, bf):
+    return {"x": xf, "W": Wf, "b": bf}
+
+
+def _probe_explicit(values):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    ev = _evidence_of(values)
+    fn, xe = values.get("layer_explicit"), values.get("x_explicit")
+    if callable(fn) and form._is_jax_array(xe) and isinstance(xe.sharding, NamedSharding) \
+            and len(xe.sharding.mesh.axis_names) == 1:
+        mesh = xe.sharding.mesh
+        xf, Wf, bf = _fresh_layer_inputs()
+        args = (jax.device_put(xf, NamedSharding(mesh, P(mesh.axis_names[0]))),
+                jax.device_put(Wf, NamedSharding(mesh, P())),
+                jax.device_put(bf, NamedSharding(mesh, P())))
+        ev["fresh"] = {**_fresh_evidence(xf, Wf, bf), **_call(fn, *args)}
+    return ev
+
+
+def _probe_manual(values):
+    import jax
+
+    ev = _evidence_of(values)
+    fn = values.get("layer_manual")
+    if callable(fn):
+        xf, Wf, bf = _fresh_layer_inputs()
+        ev["fresh"] = {**_fresh_evidence(xf, Wf, bf), **_call(fn, xf, Wf, bf)}
+        try:
+            ev["jaxpr"] = str(jax.make_jaxpr(fn)(xf, Wf, bf))
+        except Exception as exc:
+            ev["jaxpr_error"] = f"{type(exc).__name__}: {exc}"[:600]
+    return ev
+
+
+def _seconds_per_call(fn, *args, repeats=5):
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        runs.append(time.perf_counter() - start)
+    return float(np.median(runs))
+
+
+def _probe_timing(values):
+    """Measure grad_loss here, in the same kernel and machine as the student's timing."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    ev = _evidence_of(values)
+    devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
+    x, y, params = _training_setup(1024, (1, 1024, 1024, 1))
+    mesh = jax.make_mesh((len(devices[:8]),), ("batch",), axis_types=(AxisType.Auto,),
+                         devices=devices[:8])
+    data, replicated = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+    grad = jax.jit(jax.grad(_loss))
+    ev["reference_unsharded"] = _seconds_per_call(grad, params, x, y)
+    ev["reference_sharded"] = _seconds_per_call(
+        grad, jax.device_put(params, replicated), jax.device_put(x, data),
+        jax.device_put(y, data))
+    return ev
+
+
+# --------------------------------------------------------------------------- references
+@functools.lru_cache(maxsize=None)
+def _reference_mesh():
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"),
+                axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_data():
+    """x, W, b exactly as the notebook draws them."""
+    import jax
+
+    key = jax.random.key(0)
+    key, *keys = jax.random.split(key, 4)
+    return (np.asarray(jax.random.normal(keys[0], shape=(128, 10))),
+            np.asarray(jax.random.normal(keys[1], shape=(10, 2))),
+            np.asarray(jax.random.normal(keys[2], shape=(2,))))
+
+
+def _softmax_layer(x, W, b):
+    z = np.asarray(x, np.float64) @ np.asarray(W, np.float64) + np.asarray(b, np.float64)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def _curve(x):
+    import jax.numpy as jnp
+
+    return jnp.sin(6 * x) - 0.5 * x**2
+
+
+def _forward(params, x):
+    import jax.numpy as jnp
+
+    for w, b in params[:-1]:
+        x = jnp.tanh(jnp.dot(x, w) + b)
+    return jnp.dot(x, params[-1][0]) + params[-1][1]
+
+
+def _loss(params, x, y):
+    import jax.numpy as jnp
+
+    return jnp.mean(jnp.square(_forward(params, x) - y))
+
+
+def _training_setup(n, sizes):
+    """Data and initial parameters exactly as the notebook makes them."""
+    import jax
+
+    global_key = jax.random.key(seed=0)
+    _, *keys = jax.random.split(global_key, 3)
+    kx, ky = jax.random.split(keys[0], 2)
+    x = jax.random.uniform(kx, shape=(n, 1), minval=0.0, maxval=2.0)
+    y = _curve(x) + 0.1 * jax.random.normal(ky, shape=(n, 1))
+    layer_keys = jax.random.split(keys[1], len(sizes) - 1)
+    params = []
+    for n_in, n_out, k in zip(sizes[:-1], sizes[1:], layer_keys):
+        w_key, b_key = jax.random.split(k)
+        params.append((0.1 * jax.random.normal(w_key, (n_in, n_out)),
+                       0.1 * jax.random.normal(b_key, (n_out,))))
+    return x, y, params
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_reference(n, sizes, epochs=100, step_size=1e-3):
+    import jax
+
+    x, y, params = _training_setup(n, sizes)
+    grad = jax.jit(jax.grad(_loss))
+    for _ in range(epochs):
+        grads = grad(params, x, y)
+        params = [(W - step_size * dW, b - step_size * db)
+                  for (W, b), (dW, db) in zip(params, grads)]
+        params = jax.block_until_ready(params)
+    return [(np.asarray(W), np.asarray(b)) for W, b in params]
+
+
+# --------------------------------------------------------------------------- verdict helpers
+def _fail(message):
+    raise AssertionError(message)
+
+
+def _close(name, ev, expected, what, rtol=RTOL, atol=ATOL):
+    actual = np.asarray(ev["value"], dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        _fail(f"`{name}` has shape {actual.shape}; expected {expected.shape} ({what}).")
+    if not np.all(np.isfinite(actual)):
+        _fail(f"`{name}` contains NaN or infinite values; expected {what}.")
+    if not np.allclose(actual, expected, rtol=rtol, atol=atol):
+        worst = float(np.max(np.abs(actual - expected)))
+        _fail(f"`{name}` has the wrong values: expected {what}, but they differ by up to "
+              f"{worst:.3g} (tolerance: rtol={rtol:g}, atol={atol:g}).")
+
+
+def _mesh_words(sev):
+    axes = ", ".join(f"'{a}': {n}" for a, n in zip(sev["axis_names"], sev["mesh_shape"]))
+    return f"a mesh with axes {{{axes}}}"
+
+
+def _one_d_mesh(name, sev, axis_type, sizes=MESH_SIZES):
+    """The array sits on a 1-D mesh of one of ``sizes`` devices with axes of ``axis_type``."""
+    if len(sev["mesh_shape"]) != 1 or sev["mesh_shape"][0] not in sizes:
+        wanted = " or ".join(str(s) for s in sizes)
+        _fail(f"`{name}` lives on {_mesh_words(sev)}; expected a 1-D mesh of {wanted} devices.")
+    if sev["axis_types"][0] != axis_type:
+        _fail(f"the mesh axis '{sev['axis_names'][0]}' of `{name}` is {sev['axis_types'][0]}; "
+              f"expected an {axis_type} axis (pass axis_types=(AxisType.{axis_type},) "
+              "to jax.make_mesh).")
+    return sev["axis_names"][0]
+
+
+def _laid_out(name, ev, spec, expected_words):
+    from jax.sharding import PartitionSpec as P
+
+    sev = ev["sharding"]
+    if not form.is_laid_out_as(sev, len(ev["shape"]), P(*spec)):
+        _fail(f"`{name}` is {form.describe_sharding(sev)}; expected {expected_words}.")
+
+
+def _same_mesh(name, ev, ref_name, ref_ev):
+    a, b = ev["sharding"], ref_ev["sharding"]
+    if (a.get("device_ids"), a.get("axis_names")) != (b.get("device_ids"), b.get("axis_names")):
+        _fail(f"`{name}` is on {_mesh_words(a)} (devices {a.get('device_ids')}), but "
+              f"`{ref_name}` is on {_mesh_words(b)} (devices {b.get('device_ids')}); "
+              "put them on the same mesh.")
+
+
+def _replicated(name, ev, ref_name, ref_ev):
+    form.expect_on_mesh(name, ev)
+    _same_mesh(name, ev, ref_name, ref_ev)
+    _laid_out(name, ev, (), "it replicated on every device of the mesh (spec P())")
+
+
+def _batch_split(name, ev, axis):
+    _laid_out(name, ev, (axis,),
+              f"it split along the batch axis (dimension 0) across the mesh axis '{axis}' "
+              f"(spec P('{axis}'))")
+
+
+def _fresh_call(fn_name, fresh, check_output):
+    """Judge the student's function on the probe's fresh inputs."""
+    call = f"`{fn_name}` called on new data (x of shape ({FRESH_ROWS}, 10))"
+    if "error" in fresh:
+        _fail(f"{call} raised {fresh['error']} ({fresh['where']}); it should work for any "
+              "batch that divides evenly over the mesh.")
+    out = fresh["output"]
+    if out["kind"] != "array":
+        _fail(f"{call} returned {form.describe(out)}; expected a jax.Array.")
+    _close(f"{fn_name}(x, W, b)", out, _softmax_layer(fresh["x"], fresh["W"], fresh["b"]),
+           "softmax(x @ W + b) for those inputs")
+    check_output(out)
+
+
+def _int_tuple(ev):
+    if ev["kind"] != "tuple" or not all(i["kind"] == "number" and i["is_int"] for i in ev["items"]):
+        return None
+    return tuple(int(i["value"]) for i in ev["items"])
+
+
+# --------------------------------------------------------------------------- verdicts
+def _q1(ev):
+    a = ev["A_sharded"]
+    form.expect_on_mesh("A_sharded", a, shape=(4, 16))
+    _close("A_sharded", a, np.arange(64.0).reshape(4, 16), "the values of A")
+    sev = a["sharding"]
+    if sev["axis_names"] != ["x", "y"] or sev["mesh_shape"] != [2, 4]:
+        _fail(f"`A_sharded` lives on {_mesh_words(sev)}; expected the lab's `mesh` "
+              "(2 × 4, axes 'x' and 'y').")
+    _laid_out("A_sharded", a, ("x", "y"),
+              "rows split over 'x' and columns over 'y', as `sharding` = "
+              "NamedSharding(mesh, P('x', 'y')) says")
+
+
+def _q2(ev):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devs, shape = ev["A_sharded_devices"], ev["A_shard_shape"]
+    form.expect_kind("A_sharded_devices", devs, "set",
+                     "a set of devices (for example what `A_sharded.devices()` returns)")
+    if not all(d["kind"] == "device" for d in devs["items"]):
+        _fail("`A_sharded_devices` should hold jax devices only; it holds "
+              + ", ".join(form.describe(d) for d in devs["items"]) + ".")
+    ids = {(d["platform"], d["id"]) for d in devs["items"]}
+    if len(ids) != 8:
+        _fail(f"`A_sharded_devices` holds {len(ids)} device(s); `A_sharded` is spread over all "
+              "8 devices of `mesh`.")
+    expected = NamedSharding(_reference_mesh(), P("x", "y")).shard_shape((4, 16))
+    form.expect_kind("A_shard_shape", shape, "tuple", "a tuple such as (rows, columns)")
+    found = _int_tuple(shape)
+    if found != tuple(expected):
+        _fail(f"`A_shard_shape` is {found if found is not None else form.describe(shape)}; "
+              f"each device holds a block of shape {tuple(expected)} of the (4, 16) array A.")
+
+
+SPECS = (("x", None), (None, "y"), (None, None), (None, "x"))
+
+
+def _spec_key(entries):
+    entries = [tuple(e) if isinstance(e, list) else e for e in entries]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def _by_spec(name, ev):
+    """The dict's values keyed by normalised spec (P('x') and P('x', None) are one key)."""
+    if not ev["items"]:
+        _fail(f"`{name}` is empty; fill it with one entry for each of the four specs.")
+    table = {}
+    for key, value in ev["items"]:
+        if key["kind"] != "spec":
+            _fail(f"`{name}` should be keyed by PartitionSpec objects such as P('x', None); "
+                  f"one key is {form.describe(key)}.")
+        table[_spec_key(key["entries"])] = value
+    wanted = {_spec_key(list(s)): s for s in SPECS}
+    for key, spec in wanted.items():
+        if key not in table:
+            found = ", ".join(form.spec_repr(list(k)) for k in table) or "none"
+            _fail(f"`{name}` has no entry for {form.spec_repr(list(spec))}; its keys are: {found}.")
+    extra = [k for k in table if k not in wanted]
+    if extra:
+        _fail(f"`{name}` should hold the four specs of the task only; it also has "
+              f"{form.spec_repr(list(extra[0]))}.")
+    return {spec: table[_spec_key(list(spec))] for spec in SPECS}
+
+
+def _q3(ev):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    for name in ("shard_shapes", "replicas"):
+        form.expect_kind(name, ev[name], "dict", "a dict keyed by the four partition specs")
+    shapes, counts = _by_spec("shard_shapes", ev["shard_shapes"]), _by_spec("replicas", ev["replicas"])
+    for spec in SPECS:
+        s = NamedSharding(_reference_mesh(), P(*spec))
+        expected_shape = tuple(s.shard_shape((4, 16)))
+        blocks = {str(idx) for idx in s.devices_indices_map((4, 16)).values()}
+        expected_count = 8 // len(blocks)
+        label = form.spec_repr(list(spec))
+        found = _int_tuple(shapes[spec])
+        if found != expected_shape:
+            _fail(f"`shard_shapes[{label}]` is "
+                  f"{found if found is not None else form.describe(shapes[spec])}; with {label} "
+                  f"on the 2 × 4 `mesh` each device holds a block of shape {expected_shape} "
+                  "of the (4, 16) array A.")
+        c = counts[spec]
+        if c["kind"] != "number" or not c["is_int"] or int(c["value"]) != expected_count:
+            _fail(f"`replicas[{label}]` is {form.describe(c)}; with {label} each distinct "
+                  f"block of A is held by {expected_count} device(s) (an int).")
+
+
+def _q4(ev):
+    import jax
+    from jax.sharding import NamedSharding
+
+    for name in ("B", "C"):
+        form.expect_on_mesh(name, ev[name], shape=(4, 8))
+        sev = ev[name]["sharding"]
+        if sorted(zip(sev["axis_names"], sev["mesh_shape"])) != [("x", 2), ("y", 4)]:
+            _fail(f"`{name}` lives on {_mesh_words(sev)}; expected the lab's `mesh` "
+                  "(2 × 4, axes 'x' and 'y').")
+    _laid_out("B", ev["B"], ("x", None), "it split along mesh axis 'x' and replicated along 'y' "
+              "(spec P('x', None))")
+    _laid_out("C", ev["C"], (None, "y"), "it split along mesh axis 'y' and replicated along 'x' "
+              "(spec P(None, 'y'))")
+    _same_mesh("C", ev["C"], "B", ev["B"])
+    Bv, Cv = ev["B"]["value"], ev["C"]["value"]
+    B = jax.device_put(Bv, form.rebuild_sharding(ev["B"]["sharding"]))
+    C = jax.device_put(Cv, form.rebuild_sharding(ev["C"]["sharding"]))
+    for name, op, ref, shape in (("B_plus_C", "B + C", Bv + Cv, (4, 8)),
+                                 ("BtC", "B.T @ C", Bv.T.astype(np.float64) @ Cv, (8, 8))):
+        form.expect_array(name, ev[name], shape=shape)
+        _close(name, ev[name], ref, f"{op} of your B and C")
+        propagated = (jax.jit(lambda b, c: b + c) if name == "B_plus_C"
+                      else jax.jit(lambda b, c: b.T @ c))(B, C).sharding
+        actual = form.rebuild_sharding(ev[name]["sharding"])
+        if actual is None or not actual.is_equivalent_to(propagated, 2):
+            _fail(f"`{name}` is {form.describe_sharding(ev[name]['sharding'])}, but {op} of the "
+                  f"sharded B and C comes out as "
+                  f"{form.describe_sharding(form.sharding_evidence(propagated))}; compute it "
+                  f"directly as `{op}` from the sharded arrays.")
+
+
+def _data_parallel_layer(ev, suffix, axis_type):
+    """Shared verdict of q5 (Auto) and q6 (Explicit): data split, parameters replicated."""
+    x, W, b = _layer_data()
+    xn, Wn, bn, on = (f"x_{suffix}", f"W_{suffix}", f"b_{suffix}", f"out_{suffix}")
+    form.expect_on_mesh(xn, ev[xn], shape=(128, 10))
+    axis = _one_d_mesh(xn, ev[xn]["sharding"], axis_type)
+    _close(xn, ev[xn], x, "the lab's data `x`")
+    _batch_split(xn, ev[xn], axis)
+    for name, value, shape in ((Wn, W, (10, 2)), (bn, b, (2,))):
+        form.expect_on_mesh(name, ev[name], shape=shape)
+        _close(name, ev[name], value, f"the lab's `{name[0]}`")
+        _replicated(name, ev[name], xn, ev[xn])
+    form.expect_array(on, ev[on], shape=(128, 2))
+    _close(on, ev[on], _softmax_layer(x, W, b), f"layer({xn}, {Wn}, {bn})")
+    form.expect_on_mesh(on, ev[on])
+    _same_mesh(on, ev[on], xn, ev[xn])
+    _batch_split(on, ev[on], axis)
+    return axis
+
+
+def _q5(ev):
+    _data_parallel_layer(ev, "auto", "Auto")
+
+
+def _q6(ev):
+    axis = _data_parallel_layer(ev, "explicit", "Explicit")
+    if ev["out_explicit"]["typeof"] != f"float32[128@{axis},2]":
+        _fail(f"the type of `out_explicit` is {ev['out_explicit']['typeof']}; expected "
+              f"float32[128@{axis},2].")
+    form.expect_callable("layer_explicit", ev["layer_explicit"])
+    if ev["layer_explicit"]["type"] != "PjitFunction":
+        _fail("`layer_explicit` should be compiled with jax.jit (decorate it with @jax.jit); "
+              f"it is {form.describe(ev['layer_explicit'])}.")
+    fresh = ev.get("fresh")
+    if fresh is None:
+        _fail("`layer_explicit` could not be tried on new data because `x_explicit` is not on a "
+              "1-D mesh.")
+    _fresh_call("layer_explicit", fresh, lambda out: _batch_split(
+        "layer_explicit(x, W, b)", out, axis))
+    n = FRESH_ROWS
+    wanted = {"x": f"float32[{n}@{axis},10]", "W": "float32[10,2]", "b": "float32[2]",
+              "the output": f"float32[{n}@{axis},2]"}
+    printed = fresh["printed"]
+    missing = [f"{what} ({t})" for what, t in wanted.items() if t not in printed]
+    if missing:
+        shown = printed.strip().replace("\n", " | ")[:300] or "nothing"
+        _fail(f"while tracing, `layer_explicit` should print the jax.typeof of x, W, b and of "
+              f"the output. Called on new data of shape ({n}, 10) it printed: {shown}. Missing: "
+              + ", ".join(missing) + ".")
+
+
+def _q7(ev):
+    form.expect_callable("layer_manual", ev["layer_manual"])
+    om = ev["out_man"]
+    form.expect_on_mesh("out_man", om, shape=(128, 2))
+    axis = _one_d_mesh("out_man", om["sharding"], "Auto")
+    x, W, b = _layer_data()
+    _close("out_man", om, _softmax_layer(x, W, b), "layer(x, W, b)")
+    _batch_split("out_man", om, axis)
+    if "jaxpr_error" in ev:
+        _fail(f"`layer_manual` could not be traced on new data: {ev['jaxpr_error']}")
+    if "shard_map" not in ev.get("jaxpr", ""):
+        _fail("`layer_manual` gives the right numbers but does not go through jax.shard_map; "
+              "this task asks you to write the per-device computation with jax.shard_map.")
+    _fresh_call("layer_manual", ev["fresh"], lambda out: _batch_split(
+        "layer_manual(x, W, b)", out, axis))
+
+
+def _params_pairs(name, ev):
+    form.expect_kind(name, ev, "list", "a list of (W, b) pairs like `params`")
+    pairs = []
+    for i, item in enumerate(ev["items"]):
+        if item["kind"] not in ("tuple", "list") or len(item["items"]) != 2:
+            _fail(f"`{name}[{i}]` is {form.describe(item)}; expected a (W, b) pair.")
+        for j, part in enumerate(item["items"]):
+            form.expect_array(f"{name}[{i}][{j}]", part)
+        pairs.append(item["items"])
+    return pairs
+
+
+def _check_params(name, ev, reference, what, ref_name, ref_ev, rtol=RTOL, atol=ATOL):
+    pairs = _params_pairs(name, ev)
+    if len(pairs) != len(reference):
+        _fail(f"`{name}` has {len(pairs)} layers; expected {len(reference)} (W, b) pairs.")
+    for i, (pair, ref) in enumerate(zip(pairs, reference)):
+        for j, (part, expected) in enumerate(zip(pair, ref)):
+            label = f"{name}[{i}][{j}]"
+            _close(label, part, expected, what, rtol=rtol, atol=atol)
+            _replicated(label, part, ref_name, ref_ev)
+
+
+def _q8(ev):
+    xs = ev["x_train_sharded"]
+    for name in ("x_train_sharded", "y_train_sharded"):
+        form.expect_on_mesh(name, ev[name])
+    n = xs["shape"][0]
+    params_ev = ev["params_replicated"]
+    sizes = [1] + [int(pair[0]["shape"][1]) for pair in
+                   _params_pairs("params_replicated", params_ev)]
+    x, y, params = _training_setup(n, tuple(sizes))
+    sev = xs["sharding"]
+    if math.prod(sev["mesh_shape"]) != 8:
+        _fail(f"`x_train_sharded` lives on {_mesh_words(sev)}, i.e. on "
+              f"{math.prod(sev['mesh_shape'])} devices; expected it split over all 8 devices.")
+    all_axes = tuple(sev["axis_names"])
+    for name, value, label in (("x_train_sharded", x, "x_train"), ("y_train_sharded", y, "y_train")):
+        _close(name, ev[name], value, f"the training data `{label}`")
+        _same_mesh(name, ev[name], "x_train_sharded", xs)
+        _laid_out(name, ev[name], (all_axes,),
+                  "it split along the batch axis (dimension 0) over all the devices of the mesh")
+    _check_params("params_replicated", params_ev, params, "the initial `params`",
+                  "x_train_sharded", xs)
+    reference = _trained_reference(n, tuple(sizes))
+    _check_params("params_trained_sharded", ev["params_trained_sharded"], reference,
+                  "the parameters after `train(params, x_train, y_train)` (100 steps, "
+                  "step_size 1e-3), as on one device", "x_train_sharded", xs,
+                  rtol=TRAIN_RTOL, atol=TRAIN_ATOL)
+
+
+def _q9(ev):
+    for name, ref_key, data in (("time_unsharded", "reference_unsharded", "unsharded"),
+                                ("time_sharded", "reference_sharded", "sharded")):
+        form.expect_number(name, ev[name])
+        t, ref = ev[name]["value"], ev[ref_key]
+        if t <= ref / TIMING_FACTOR:
+            _fail(f"`{name}` is {t:.3g} s per call, but one call of grad_loss on the {data} "
+                  f"data takes about {ref:.3g} s on this machine. A time this small usually "
+                  "means the clock stopped before the computation finished: JAX dispatches "
+                  "asynchronously, so wait with jax.block_until_ready inside the timed region.")
+        if t >= ref * TIMING_FACTOR:
+            _fail(f"`{name}` is {t:.3g} s per call, but one call of grad_loss on the {data} "
+                  f"data takes about {ref:.3g} s on this machine. A time this large usually "
+                  "includes compilation: call the function once before you start the clock, "
+                  "and divide by the number of calls.")
+
+
+def _q(names, verdict_fn, probe_fn=_evidence_of):
+    return Question(names=tuple(names.split()), probe=probe_fn, verdict=verdict_fn)
+
+
+QUESTIONS = {
+    "q1_device_put": _q("A_sharded", _q1),
+    "q2_inspect": _q("A_sharded_devices A_shard_shape", _q2),
+    "q3_partition_specs": _q("shard_shapes replicas", _q3),
+    "q4_propagation": _q("B C B_plus_C BtC", _q4),
+    "q5_dp_auto": _q("x_auto W_auto b_auto out_auto", _q5),
+    "q6_dp_explicit": _q("x_explicit W_explicit b_explicit layer_explicit out_explicit", _q6,
+                         _probe_explicit),
+    "q7_dp_manual": _q("layer_manual out_man", _q7, _probe_manual),
+    "q8_sharded_training": _q(
+        "x_train_sharded y_train_sharded params_replicated params_trained_sharded", _q8),
+    "q9_timing": _q("time_unsharded time_sharded", _q9, _probe_timing),
+}

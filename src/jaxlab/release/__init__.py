@@ -1,0 +1,251 @@
+"""``jaxlab release``: build student/, solutions/ and autograder/ from the masters.
+
+Wraps ``otter assign``, then makes its output reproducible (stable cell ids, stable zip entry
+order and dates, a stable zip name), executes the solution notebook with outputs, and refuses
+to write a release whose solution does not score full marks under ``otter run``.
+"""
+
+import hashlib
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from importlib import resources
+
+import nbformat
+import yaml
+
+ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+SUPPORT_PREFIX = "jaxlab_"
+
+
+class ReleaseError(Exception):
+    """A release could not be built; the message says why."""
+
+
+def assignment_names(root):
+    return sorted(p.name for p in (pathlib.Path(root) / "assignments").iterdir()
+                  if (p / f"{p.name}.ipynb").is_file())
+
+
+def release(*, root=".", names=None, check=False, log=print):
+    """Build (or with ``check``, compare) the releases of ``names`` (default: every master).
+
+    Returns True when everything was built, or with ``check`` when everything is current.
+    """
+    root = pathlib.Path(root).resolve()
+    ok = True
+    for name in names or assignment_names(root):
+        try:
+            if check:
+                stale = stale_files(root=root, name=name)
+                for path in stale:
+                    log(f"{name}: stale: {path}")
+                ok &= not stale
+                if not stale:
+                    log(f"{name}: releases are current")
+            else:
+                build(root=root, name=name, log=log)
+        except ReleaseError as exc:
+            log(f"{name}: {exc}")
+            ok = False
+    return ok
+
+
+# --------------------------------------------------------------------------- building
+def _assign_config(master):
+    nb = nbformat.read(master, as_version=4)
+    first = nb.cells[0]
+    if first.cell_type != "raw" or "ASSIGNMENT CONFIG" not in first.source.splitlines()[0]:
+        raise ReleaseError(f"{master} does not start with an ASSIGNMENT CONFIG raw cell")
+    return yaml.safe_load(first.source.split("\n", 1)[1])
+
+
+def _stage(root, name, workdir):
+    """Copy the master and the support modules it names into ``workdir``."""
+    src = root / "assignments" / name
+    master = src / f"{name}.ipynb"
+    config = _assign_config(master)
+    if config.get("name") != name:
+        raise ReleaseError(f"the ASSIGNMENT CONFIG name is {config.get('name')!r}, not {name!r}")
+    _check_pair(master)
+    stage = workdir / "master"
+    shutil.copytree(src, stage, ignore=shutil.ignore_patterns(f"{name}.py", ".ipynb_checkpoints",
+                                                              "__pycache__"))
+    for support in config.get("files", []) + config.get("autograder_files", []):
+        if support.startswith(SUPPORT_PREFIX) and not (stage / support).exists():
+            module = support[len(SUPPORT_PREFIX):]
+            text = resources.files("jaxlab.checks").joinpath(module).read_text()
+            (stage / support).write_text(text)
+    if config.get("environment") and not (stage / config["environment"]).exists():
+        text = resources.files("jaxlab.release").joinpath("environment.yml").read_text()
+        (stage / config["environment"]).write_text(text)
+    return stage / f"{name}.ipynb"
+
+
+def _check_pair(master):
+    """The jupytext text twin of a master (if any) must hold the same cells."""
+    import jupytext
+
+    twin = master.with_suffix(".py")
+    if not twin.exists():
+        return
+    a, b = jupytext.read(master), jupytext.read(twin)
+    strip = lambda nb: [(c.cell_type, c.source.strip()) for c in nb.cells]  # noqa: E731
+    if strip(a) != strip(b):
+        raise ReleaseError(f"{master.name} and {twin.name} differ: run "
+                           f"`jupytext --sync {master}` to pair them again")
+
+
+def _assign(master, dist):
+    """Run otter assign in a child process (it changes directories and logs noisily)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "otter", "assign", "--no-run-tests", str(master), str(dist)],
+        capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ReleaseError("otter assign failed:\n" + (proc.stderr or proc.stdout)[-3000:])
+
+
+def normalise_notebook(nb):
+    """Give cells ids derived from their place and content, and drop volatile metadata."""
+    for i, cell in enumerate(nb.cells):
+        digest = hashlib.sha1(f"{i}\0{cell.cell_type}\0{cell.source}".encode()).hexdigest()
+        cell["id"] = digest[:12]
+        if cell.cell_type == "code":
+            cell.metadata.pop("execution", None)
+    nb.metadata.pop("jupytext", None)
+    return nb
+
+
+def write_notebook(nb, path):
+    nbformat.validate(nb)
+    pathlib.Path(path).write_text(nbformat.writes(nb) + "\n")
+
+
+def write_stable_zip(src_zip, dest):
+    """Copy a zip with sorted entries, fixed dates and permissions."""
+    with zipfile.ZipFile(src_zip) as zin:
+        entries = sorted((i.filename, zin.read(i)) for i in zin.infolist() if not i.is_dir())
+    tmp = pathlib.Path(dest).with_suffix(".tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+        for filename, data in entries:
+            info = zipfile.ZipInfo(filename, ZIP_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            executable = filename in ("run_autograder", "setup.sh")
+            info.external_attr = (0o100755 if executable else 0o100644) << 16
+            zout.writestr(info, data)
+    tmp.replace(dest)
+
+
+def _generate(root, name, workdir):
+    """otter assign output for ``name`` in ``workdir``, normalised: (student dir, zip, solution)."""
+    master = _stage(root, name, workdir)
+    dist = workdir / "dist"
+    _assign(master, dist)
+    student = dist / "student"
+    for nb_path in student.glob("*.ipynb"):
+        write_notebook(normalise_notebook(nbformat.read(nb_path, as_version=4)), nb_path)
+    zips = list((dist / "autograder").glob("*.zip"))
+    if len(zips) != 1:
+        raise ReleaseError(f"otter assign made {len(zips)} autograder zips")
+    stable = workdir / f"{name}-autograder.zip"
+    write_stable_zip(zips[0], stable)
+    solution = normalise_notebook(nbformat.read(dist / "autograder" / f"{name}.ipynb",
+                                                as_version=4))
+    return student, stable, solution
+
+
+def _execute(nb, cwd, timeout=900):
+    from nbclient import NotebookClient
+
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={
+        "metadata": {"path": str(cwd)}}).execute()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.metadata.pop("execution", None)
+    return nb
+
+
+def otter_run(notebook, autograder, workdir):
+    """Grade ``notebook`` with ``otter run``; returns the tests of its results.json."""
+    out = pathlib.Path(tempfile.mkdtemp(dir=workdir))
+    proc = subprocess.run([sys.executable, "-m", "otter", "run", "--no-logo", "-a",
+                           str(autograder), "-o", str(out), str(notebook)],
+                          capture_output=True, text=True)
+    results = out / "results.json"
+    if not results.exists():
+        raise ReleaseError("otter run produced no results:\n" + (proc.stderr or proc.stdout)[-3000:])
+    return json.loads(results.read_text())["tests"]
+
+
+def question_scores(tests):
+    """{question: (score, possible)} from otter's results tests."""
+    return {t["name"]: (t["score"], t["max_score"]) for t in tests if "max_score" in t}
+
+
+def build(*, root, name, log=print):
+    """Build and write the three releases of assignment ``name``."""
+    root = pathlib.Path(root)
+    with tempfile.TemporaryDirectory(prefix=f"jaxlab-{name}-") as tmp:
+        workdir = pathlib.Path(tmp)
+        log(f"{name}: otter assign")
+        student, zip_path, solution = _generate(root, name, workdir)
+        log(f"{name}: executing the solution notebook")
+        run_dir = workdir / "run"
+        shutil.copytree(student, run_dir)
+        _execute(solution, run_dir)
+        solved = run_dir / f"{name}.ipynb"
+        write_notebook(solution, solved)
+        log(f"{name}: grading the solution with otter run")
+        scores = question_scores(otter_run(solved, zip_path, workdir))
+        short = {q: s for q, s in scores.items() if s[0] != s[1]}
+        if not scores or short:
+            raise ReleaseError(f"the solution does not score full marks: {short or 'no scores'}")
+        total = sum(p for _, p in scores.values())
+        log(f"{name}: solution scores {total:g}/{total:g} on {len(scores)} questions")
+        _install(student, root / "student" / name)
+        sol_dir = root / "solutions" / name
+        _install(student, sol_dir)
+        shutil.copy(solved, sol_dir / f"{name}.ipynb")
+        (root / "autograder").mkdir(exist_ok=True)
+        shutil.copy(zip_path, root / "autograder" / f"{name}-autograder.zip")
+    log(f"{name}: wrote student/{name}/, solutions/{name}/, autograder/{name}-autograder.zip")
+
+
+def _install(src, dest):
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest)
+
+
+# --------------------------------------------------------------------------- checking
+def _sources(path):
+    nb = nbformat.read(path, as_version=4)
+    return [(c.cell_type, c.source) for c in nb.cells]
+
+
+def stale_files(*, root, name):
+    """Committed release files that differ from what the master builds now."""
+    root = pathlib.Path(root)
+    stale = []
+    with tempfile.TemporaryDirectory(prefix=f"jaxlab-{name}-") as tmp:
+        workdir = pathlib.Path(tmp)
+        student, zip_path, solution = _generate(root, name, workdir)
+        built = {p.relative_to(student): p.read_bytes() for p in student.rglob("*") if p.is_file()}
+        committed_dir = root / "student" / name
+        committed = {p.relative_to(committed_dir): p.read_bytes()
+                     for p in committed_dir.rglob("*") if p.is_file()} if committed_dir.exists() else {}
+        for rel in sorted(set(built) | set(committed)):
+            if built.get(rel) != committed.get(rel):
+                stale.append(f"student/{name}/{rel}")
+        committed_zip = root / "autograder" / f"{name}-autograder.zip"
+        if not committed_zip.exists() or committed_zip.read_bytes() != zip_path.read_bytes():
+            stale.append(f"autograder/{name}-autograder.zip")
+        committed_solution = root / "solutions" / name / f"{name}.ipynb"
+        if not committed_solution.exists() or _sources(committed_solution) != [
+                (c.cell_type, c.source) for c in solution.cells]:
+            stale.append(f"solutions/{name}/{name}.ipynb")
+    return stale

@@ -1,0 +1,85 @@
+"""Unit tests of the evidence and form helpers shipped as jaxlab_form.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxlab.checks import form
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def test_evidence_of_a_sharded_array_records_values_and_layout(mesh):
+    a = jax.device_put(jnp.arange(8.0).reshape(2, 4), NamedSharding(mesh, P("x", "y")))
+    ev = form.evidence(a)
+    assert ev["kind"] == "array" and ev["shape"] == [2, 4]
+    np.testing.assert_allclose(ev["value"], np.arange(8.0).reshape(2, 4))
+    sev = ev["sharding"]
+    assert sev["kind"] == "NamedSharding" and sev["spec"] == ["x", "y"]
+    assert sev["mesh_shape"] == [2, 4] and sev["axis_types"] == ["Auto", "Auto"]
+
+
+def test_objects_that_claim_equality_are_not_mistaken_for_arrays():
+    class Liar:
+        shape = (4, 16)
+        __eq__ = lambda self, other: True  # noqa: E731
+        __class__ = jax.Array  # noqa: F811 -- fools isinstance, not the exact type check
+
+    assert form.evidence(Liar())["kind"] == "other"
+    with pytest.raises(AssertionError, match="should be a jax.Array"):
+        form.expect_array("A_sharded", form.evidence(Liar()))
+
+
+def test_placeholder_and_none_are_reported_as_not_defined():
+    for value in (..., None):
+        with pytest.raises(AssertionError, match="`q` is not defined yet"):
+            form.expect_array("q", form.evidence(value))
+
+
+def test_p_x_and_p_x_none_describe_the_same_layout(mesh):
+    a = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("x")))
+    sev = form.evidence(a)["sharding"]
+    assert form.is_laid_out_as(sev, 2, P("x", None))
+    assert form.is_laid_out_as(sev, 2, P("x"))
+    assert not form.is_laid_out_as(sev, 2, P(None, "x"))
+
+
+def test_describe_sharding_names_split_and_replicated_axes(mesh):
+    a = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("x", None)))
+    text = form.describe_sharding(form.evidence(a)["sharding"])
+    assert "dimension 0 split 2 ways over mesh axis 'x'" in text
+    assert "replicated over mesh axis 'y'" in text
+    r = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P()))
+    assert form.describe_sharding(form.evidence(r)["sharding"]).startswith("replicated on every")
+    single = form.evidence(jnp.ones(3))["sharding"]
+    assert form.describe_sharding(single).startswith("on a single device")
+
+
+def test_rebuilt_sharding_is_equivalent_to_the_original(mesh):
+    a = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P(None, "y")))
+    rebuilt = form.rebuild_sharding(form.evidence(a)["sharding"])
+    assert rebuilt.is_equivalent_to(a.sharding, 2)
+
+
+def test_evidence_survives_the_json_and_npz_round_trip(tmp_path, mesh):
+    value = {P("x", None): (2, 16), "t": [float("nan"), 1.5],
+             "a": jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("y")))}
+    ev = form.evidence(value)
+    form.dump_evidence(ev, tmp_path / "ev.json")
+    back = form.load_evidence(tmp_path / "ev.json")
+    assert back["items"][0][0] == {"kind": "spec", "entries": ["x", None]}
+    np.testing.assert_array_equal(back["items"][2][1]["value"], np.arange(4.0))
+    assert np.isnan(back["items"][1][1]["items"][0]["value"])
+
+
+def test_numbers_devices_and_functions_have_their_own_kinds():
+    assert form.evidence(3)["is_int"] and not form.evidence(3.0)["is_int"]
+    assert form.evidence(np.float32(2.5))["kind"] == "number"
+    assert form.evidence(jax.devices()[0])["kind"] == "device"
+    assert form.evidence(jax.jit(lambda v: v))["type"] == "PjitFunction"
+    assert form.evidence(True)["kind"] == "bool"

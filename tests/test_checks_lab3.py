@@ -1,0 +1,134 @@
+"""The Lab 3 verdicts accept the lab's answers and explain wrong ones in the student's terms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxlab.checks import lab3
+
+
+def mesh1d(n=8, kind=AxisType.Auto, name="data"):
+    return jax.make_mesh((n,), (name,), axis_types=(kind,), devices=jax.devices()[:n])
+
+
+def put(value, mesh, *spec):
+    return jax.device_put(value, NamedSharding(mesh, P(*spec)))
+
+
+def layer(x, W, b):
+    return jax.nn.softmax(x @ W + b)
+
+
+def q5_answer(n=8, data_spec=("data",), param_spec=()):
+    x, W, b = map(jnp.asarray, lab3._layer_data())
+    m = mesh1d(n)
+    xa, Wa, ba = put(x, m, *data_spec), put(W, m, *param_spec), put(b, m, *param_spec)
+    return dict(x_auto=xa, W_auto=Wa, b_auto=ba, out_auto=jax.jit(layer)(xa, Wa, ba))
+
+
+def verdict_message(question, **values):
+    try:
+        lab3.check(question, **values)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_q5_accepts_4_or_8_devices(n):
+    assert verdict_message("q5_dp_auto", **q5_answer(n)) is None
+
+
+def test_q5_rejects_replicated_data_naming_the_variable():
+    msg = verdict_message("q5_dp_auto", **q5_answer(data_spec=()))
+    assert msg.startswith("`x_auto` is replicated on every device")
+    assert "expected it split along the batch axis (dimension 0)" in msg
+
+
+def test_q5_rejects_weights_left_on_one_device():
+    answer = q5_answer()
+    _, W, _ = lab3._layer_data()
+    answer["W_auto"] = jnp.asarray(W)
+    msg = verdict_message("q5_dp_auto", **answer)
+    assert msg.startswith("`W_auto` is not placed on a mesh: it lives on a single device")
+
+
+def test_q5_rejects_an_explicit_mesh():
+    x, W, b = map(jnp.asarray, lab3._layer_data())
+    m = mesh1d(kind=AxisType.Explicit)
+    xa, Wa, ba = put(x, m, "data"), put(W, m), put(b, m)
+    msg = verdict_message("q5_dp_auto", x_auto=xa, W_auto=Wa, b_auto=ba, out_auto=layer(xa, Wa, ba))
+    assert "expected an Auto axis" in msg
+
+
+def test_q6_reads_typeof_with_the_students_axis_name():
+    x, W, b = map(jnp.asarray, lab3._layer_data())
+    m = mesh1d(4, AxisType.Explicit, name="rows")
+    xe, We, be = put(x, m, "rows"), put(W, m), put(b, m)
+
+    @jax.jit
+    def layer_explicit(x, W, b):
+        out = layer(x, W, b)
+        print(jax.typeof(x), jax.typeof(W), jax.typeof(b), jax.typeof(out))
+        return out
+
+    values = dict(x_explicit=xe, W_explicit=We, b_explicit=be, layer_explicit=layer_explicit,
+                  out_explicit=layer_explicit(xe, We, be))
+    assert verdict_message("q6_dp_explicit", **values) is None
+
+    @jax.jit
+    def silent(x, W, b):
+        return layer(x, W, b)
+
+    msg = verdict_message("q6_dp_explicit", **{**values, "layer_explicit": silent})
+    assert "float32[64@rows,10]" in msg and "should print the jax.typeof" in msg
+
+
+def test_q7_requires_shard_map_and_fresh_inputs():
+    x, W, b = map(jnp.asarray, lab3._layer_data())
+    m = mesh1d(8, name="i")
+    manual = jax.jit(jax.shard_map(layer, mesh=m, in_specs=(P("i"), P(), P()), out_specs=P("i")))
+    assert verdict_message("q7_dp_manual", layer_manual=manual, out_man=manual(x, W, b)) is None
+
+    def auto(x, W, b):
+        return jax.jit(layer)(put(x, m, "i"), put(W, m), put(b, m))
+
+    msg = verdict_message("q7_dp_manual", layer_manual=auto, out_man=auto(x, W, b))
+    assert "does not go through jax.shard_map" in msg
+
+    fixed = out = manual(x, W, b)
+    msg = verdict_message("q7_dp_manual", layer_manual=lambda *a: fixed, out_man=out)
+    assert "`layer_manual` gives the right numbers but does not go through" in msg
+
+
+def test_q3_accepts_equivalent_spec_keys_and_rejects_wrong_counts():
+    shapes = {P("x"): (2, 16), P(None, "y"): (4, 4), P(): (4, 16), P(None, "x"): (4, 8)}
+    counts = {P("x"): 4, P(None, "y"): 2, P(): 8, P(None, "x"): 4}
+    assert verdict_message("q3_partition_specs", shard_shapes=shapes, replicas=counts) is None
+    msg = verdict_message("q3_partition_specs", shard_shapes=shapes,
+                          replicas={**counts, P(None, "y"): 4})
+    assert msg.startswith("`replicas[P(None, 'y')]` is the number 4")
+
+
+def test_q9_rejects_timings_without_block_until_ready():
+    msg = verdict_message("q9_timing", time_unsharded=2e-5, time_sharded=3e-5)
+    assert msg.startswith("`time_unsharded` is 2e-05 s per call")
+    assert "jax.block_until_ready" in msg
+
+
+def test_every_contract_question_is_registered_with_its_names():
+    assert {q: spec.names for q, spec in lab3.QUESTIONS.items()} == {
+        "q1_device_put": ("A_sharded",),
+        "q2_inspect": ("A_sharded_devices", "A_shard_shape"),
+        "q3_partition_specs": ("shard_shapes", "replicas"),
+        "q4_propagation": ("B", "C", "B_plus_C", "BtC"),
+        "q5_dp_auto": ("x_auto", "W_auto", "b_auto", "out_auto"),
+        "q6_dp_explicit": ("x_explicit", "W_explicit", "b_explicit", "layer_explicit",
+                           "out_explicit"),
+        "q7_dp_manual": ("layer_manual", "out_man"),
+        "q8_sharded_training": ("x_train_sharded", "y_train_sharded", "params_replicated",
+                                "params_trained_sharded"),
+        "q9_timing": ("time_unsharded", "time_sharded"),
+    }

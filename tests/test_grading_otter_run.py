@@ -1,0 +1,45 @@
+"""Grading through `otter run` with the shipped autograder zip, as instructors do."""
+
+import shutil
+
+import pytest
+
+from jaxlab import release
+
+
+@pytest.fixture(scope="module")
+def renamed_solution_results(lab3, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("renamed")
+    submission = tmp / "Lab3 - Jane Doe (1).ipynb"
+    shutil.copy(lab3["solution"], submission)
+    return release.otter_run(submission, lab3["autograder"], tmp)
+
+
+@pytest.fixture(scope="module")
+def blank_results(lab3, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("blank")
+    submission = tmp / "blank.ipynb"
+    shutil.copy(lab3["student"], submission)
+    return release.otter_run(submission, lab3["autograder"], tmp)
+
+
+def test_solution_saved_under_another_name_scores_full_marks(renamed_solution_results):
+    scores = release.question_scores(renamed_solution_results)
+    assert len(scores) == 9
+    assert all(score == possible > 0 for score, possible in scores.values()), scores
+
+
+def test_blank_notebook_scores_zero_on_every_question(blank_results):
+    scores = release.question_scores(blank_results)
+    assert len(scores) == 9
+    assert all(score == 0 for score, _ in scores.values()), scores
+
+
+def test_blank_notebook_gets_a_readable_message_per_question(blank_results):
+    for test in blank_results:
+        if "max_score" not in test:
+            continue
+        output = test["output"]
+        assert "AssertionError: `" in output, output
+        assert "not defined yet" in output or "is empty" in output, output
+        assert "Traceback" not in output

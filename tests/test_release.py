@@ -1,0 +1,141 @@
+"""The committed releases are generated, current, reproducible and free of answers."""
+
+import ast
+import json
+import pathlib
+import re
+import zipfile
+
+import nbformat
+import pytest
+
+from conftest import LABS, ROOT, release_paths
+from jaxlab import release
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_committed_releases_are_current(lab):
+    assert release.stale_files(root=ROOT, name=lab) == [], (
+        "the committed releases differ from the master: run `jaxlab release`")
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_release_twice_gives_identical_student_and_autograder_bytes(lab, tmp_path):
+    built = []
+    for run in ("a", "b"):
+        workdir = tmp_path / run
+        workdir.mkdir()
+        student, zip_path, _ = release._generate(ROOT, lab, workdir)
+        files = {p.relative_to(student).as_posix(): p.read_bytes()
+                 for p in student.rglob("*") if p.is_file()}
+        built.append((files, zip_path.read_bytes()))
+    assert built[0] == built[1]
+
+
+def _solution_lines(master):
+    """Code lines the master marks as solution (line markers and SOLUTION blocks)."""
+    lines, inside = [], False
+    for cell in nbformat.read(master, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        for line in cell.source.splitlines():
+            stripped = line.strip()
+            if re.match(r"#\s*BEGIN SOLUTION", stripped):
+                inside = True
+            elif re.match(r"#\s*END SOLUTION", stripped):
+                inside = False
+            elif inside or stripped.endswith("# SOLUTION"):
+                code = stripped.removesuffix("# SOLUTION").strip()
+                if len(code) > 12:
+                    lines.append(code)
+    return lines
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_student_release_holds_no_solution_code_and_no_hidden_test(lab):
+    paths = release_paths(lab)
+    student_dir = paths["student"].parent
+    assert sorted(p.name for p in student_dir.iterdir()) == sorted(
+        [paths["student"].name, "jaxlab_form.py"])
+    text = "\n".join(p.read_text() for p in student_dir.iterdir())
+    leaked = [line for line in _solution_lines(paths["master"]) if line in text]
+    assert leaked == [], f"solution lines in student/: {leaked[:5]}"
+    with zipfile.ZipFile(paths["autograder"]) as zf:
+        hidden_checks = [n for n in zf.namelist() if n.startswith("files/jaxlab_lab")]
+        hidden_tests = re.findall(r"hidden=True\)\ndef (test_\w+)",
+                                  "\n".join(zf.read(n).decode() for n in zf.namelist()
+                                            if n.startswith("tests/")))
+    assert hidden_checks and hidden_tests
+    for name in hidden_tests + [pathlib.Path(n).stem for n in hidden_checks]:
+        assert name not in text, f"{name} leaked into student/"
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_autograder_zip_pins_the_grading_environment(lab):
+    with zipfile.ZipFile(release_paths(lab)["autograder"]) as zf:
+        env = zf.read("environment.yml").decode()
+        assert all(i.date_time == release.ZIP_DATE for i in zf.infolist())
+    for pin in ("python=3.11", "otter-grader[grading,plugins]==7.0.0", "jax==0.10.2",
+                "jaxlib==0.10.2", "rich==", "tqdm==", "matplotlib=="):
+        assert pin in env
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_master_and_its_jupytext_twin_hold_the_same_cells(lab):
+    release._check_pair(release_paths(lab)["master"])
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_every_question_has_one_answer_cell_followed_by_its_check(lab):
+    nb = nbformat.read(release_paths(lab)["student"], as_version=4)
+    questions = json.loads(json.dumps(nb.metadata["otter"]["tests"])).keys()
+    sources = [c.source for c in nb.cells]
+    answer_cells = [i for i, s in enumerate(sources) if s.startswith("### Your code here")]
+    checked = [re.fullmatch(r'grader\.check\("(\w+)"\)', sources[i + 1].strip()).group(1)
+               for i in answer_cells]
+    assert checked == list(questions)
+
+
+def _assigned_names(tree):
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_no_cell_after_a_task_reassigns_its_graded_names(lab):
+    """Grading reads the final globals, so a later reassignment would cost a correct answer."""
+    import importlib
+
+    checks = importlib.import_module(f"jaxlab.checks.{lab.split('-')[0]}")
+    nb = nbformat.read(release_paths(lab)["solution"], as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    for question, spec in checks.QUESTIONS.items():
+        answer = next(i for i, s in enumerate(code) if f'grader.check("{question}")' in s) - 1
+        for later in code[answer + 1:]:
+            clash = _assigned_names(ast.parse(later)) & set(spec.names)
+            assert not clash, f"a cell after {question} reassigns {clash}:\n{later[:200]}"
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_hidden_tests_read_only_their_own_questions_names(lab):
+    import importlib
+
+    checks = importlib.import_module(f"jaxlab.checks.{lab.split('-')[0]}")
+    with zipfile.ZipFile(release_paths(lab)["autograder"]) as zf:
+        files = {pathlib.Path(n).stem: zf.read(n).decode() for n in zf.namelist()
+                 if n.startswith("tests/")}
+    assert sorted(files) == sorted(checks.QUESTIONS)
+    for question, source in files.items():
+        for fn in ast.parse(source).body:
+            if isinstance(fn, ast.FunctionDef):
+                args = {a.arg for a in fn.args.args}
+                assert args <= set(checks.QUESTIONS[question].names), (question, fn.name, args)
