@@ -32,23 +32,21 @@ def test_release_twice_gives_identical_student_and_autograder_bytes(lab, tmp_pat
     assert built[0] == built[1]
 
 
-def _solution_lines(master):
-    """Code lines the master marks as solution (line markers and SOLUTION blocks)."""
-    lines, inside = [], False
+def _split_master(master):
+    """(solution code lines, every other line of the master) by otter's SOLUTION markers."""
+    solution, given, inside = [], [], False
     for cell in nbformat.read(master, as_version=4).cells:
-        if cell.cell_type != "code":
-            continue
         for line in cell.source.splitlines():
             stripped = line.strip()
-            if re.match(r"#\s*BEGIN SOLUTION", stripped):
+            if cell.cell_type == "code" and re.match(r"#\s*BEGIN SOLUTION", stripped):
                 inside = True
-            elif re.match(r"#\s*END SOLUTION", stripped):
+            elif cell.cell_type == "code" and re.match(r"#\s*END SOLUTION", stripped):
                 inside = False
-            elif inside or stripped.endswith("# SOLUTION"):
-                code = stripped.removesuffix("# SOLUTION").strip()
-                if len(code) > 12:
-                    lines.append(code)
-    return lines
+            elif cell.cell_type == "code" and (inside or stripped.endswith("# SOLUTION")):
+                solution.append(stripped.removesuffix("# SOLUTION").strip())
+            else:
+                given.append(line)
+    return solution, "\n".join(given)
 
 
 @pytest.mark.parametrize("lab", LABS)
@@ -58,7 +56,8 @@ def test_student_release_holds_no_solution_code_and_no_hidden_test(lab):
     assert sorted(p.name for p in student_dir.iterdir()) == sorted(
         [paths["student"].name, "jaxlab_form.py"])
     text = "\n".join(p.read_text() for p in student_dir.iterdir())
-    leaked = [line for line in _solution_lines(paths["master"]) if line in text]
+    solution, given = _split_master(paths["master"])
+    leaked = [line for line in solution if len(line) > 12 and line in text and line not in given]
     assert leaked == [], f"solution lines in student/: {leaked[:5]}"
     with zipfile.ZipFile(paths["autograder"]) as zf:
         hidden_checks = [n for n in zf.namelist() if n.startswith("files/jaxlab_lab")]
