@@ -138,3 +138,20 @@ def test_hidden_tests_read_only_their_own_questions_names(lab):
             if isinstance(fn, ast.FunctionDef):
                 args = {a.arg for a in fn.args.args}
                 assert args <= set(checks.QUESTIONS[question].names), (question, fn.name, args)
+
+
+def test_release_check_exits_non_zero_when_a_committed_release_is_stale(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    for part in ("assignments", "student", "solutions", "autograder"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    lab = LABS[0]
+    cmd = [sys.executable, "-m", "jaxlab", "release", "--check", "--root", str(tmp_path), lab]
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    student = tmp_path / "student" / lab / f"{lab}.ipynb"
+    student.write_text(student.read_text().replace("### Your code here", "### Your code", 1))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert f"stale: student/{lab}/{lab}.ipynb" in proc.stdout

@@ -264,8 +264,10 @@ def rebuild_sharding(sev):
     import jax
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-    local = jax.devices()
     ids = sorted({i for i in np.ravel(sev.get("device_ids", sev["devices"]))})
+    local = jax.devices()
+    if len(ids) > len(local):  # e.g. one GPU beside the 8 CPU devices the lab ran on
+        local = jax.devices("cpu")
     if len(ids) > len(local):
         raise AssertionError(
             f"the array is spread over {len(ids)} devices but this grader has {len(local)}")
