@@ -108,8 +108,10 @@ def _put(value, mesh, *spec):
 
 
 def _error(exc):
-    last = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    where = f" (line {last.lineno} of {os.path.basename(last.filename)})" if last else ""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "-packages" not in f.filename and os.path.basename(f.filename) not in
+              ("lab4.py", "jaxlab_lab4.py")]
+    where = f" (line {frames[-1].lineno} of your code)" if frames else ""
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:400] + where
 
@@ -379,13 +381,13 @@ def _method(name, fresh, required=(), forbidden=(), shard_map=True, why=""):
     if shard_map and not _uses(jaxpr, "jax.shard_map"):
         _fail(f"`{name}` gives the right numbers but does not go through jax.shard_map; this "
               "task asks you to write the per-device program with jax.shard_map.")
+    for collective in forbidden:
+        if _uses(jaxpr, collective):
+            _fail(f"`{name}` uses `{collective}`, which this task rules out{why}.")
     for collective in required:
         if not _uses(jaxpr, collective):
             _fail(f"`{name}` gives the right numbers but its traced program has no "
                   f"`jax.lax.{collective}`; this task asks you to use it{why}.")
-    for collective in forbidden:
-        if _uses(jaxpr, collective):
-            _fail(f"`{name}` uses `{collective}`, which this task rules out{why}.")
 
 
 def _array_out(call, out, shape):
