@@ -8,7 +8,8 @@ reference from the lab's own recipe, and raises AssertionError in the student's 
 Collectives are recognised by the primitive names JAX 0.10 writes in a jaxpr: inside
 ``shard_map`` ``psum``/``pmean`` trace to ``psum_invariant`` (``psum`` under ``vmap``),
 ``psum_scatter`` to ``reduce_scatter``, ``all_gather`` to ``all_gather``, ``ppermute`` to
-``ppermute``; ``jax.pmap`` shows up as ``xla_pmap``.
+``ppermute``; ``jax.pmap`` shows up as ``xla_pmap`` in older JAX (in 0.10 it is itself lowered
+to a ``shard_map``, so a pmap answer that is numerically right cannot be told apart).
 """
 
 import collections
