@@ -6,7 +6,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LABS = ("lab3-parallelism",)
+LABS = ("lab3-parallelism", "lab4-shard-map")
 
 # The checks rebuild shardings on 8 devices; set before JAX starts in this process.
 os.environ.setdefault("PJRT_NPROC", "16")

@@ -4,34 +4,42 @@ import shutil
 
 import pytest
 
+from conftest import LABS, release_paths
 from jaxlab import release
 
+QUESTION_COUNTS = {"lab3-parallelism": 9, "lab4-shard-map": 10}
+
+
+@pytest.fixture(scope="module", params=LABS)
+def lab(request):
+    return request.param
+
 
 @pytest.fixture(scope="module")
-def renamed_solution_results(lab3, tmp_path_factory):
+def renamed_solution_results(lab, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("renamed")
-    submission = tmp / "Lab3 - Jane Doe (1).ipynb"
-    shutil.copy(lab3["solution"], submission)
-    return release.otter_run(submission, lab3["autograder"], tmp)
+    submission = tmp / f"{lab} - Jane Doe (1).ipynb"
+    shutil.copy(release_paths(lab)["solution"], submission)
+    return release.otter_run(submission, release_paths(lab)["autograder"], tmp)
 
 
 @pytest.fixture(scope="module")
-def blank_results(lab3, tmp_path_factory):
+def blank_results(lab, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("blank")
     submission = tmp / "blank.ipynb"
-    shutil.copy(lab3["student"], submission)
-    return release.otter_run(submission, lab3["autograder"], tmp)
+    shutil.copy(release_paths(lab)["student"], submission)
+    return release.otter_run(submission, release_paths(lab)["autograder"], tmp)
 
 
-def test_solution_saved_under_another_name_scores_full_marks(renamed_solution_results):
+def test_solution_saved_under_another_name_scores_full_marks(lab, renamed_solution_results):
     scores = release.question_scores(renamed_solution_results)
-    assert len(scores) == 9
+    assert len(scores) == QUESTION_COUNTS[lab]
     assert all(score == possible > 0 for score, possible in scores.values()), scores
 
 
-def test_blank_notebook_scores_zero_on_every_question(blank_results):
+def test_blank_notebook_scores_zero_on_every_question(lab, blank_results):
     scores = release.question_scores(blank_results)
-    assert len(scores) == 9
+    assert len(scores) == QUESTION_COUNTS[lab]
     assert all(score == 0 for score, _ in scores.values()), scores
 
 

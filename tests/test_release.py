@@ -92,7 +92,9 @@ def test_every_question_has_one_answer_cell_followed_by_its_check(lab):
     answer_cells = [i for i, s in enumerate(sources) if s.startswith("### Your code here")]
     checked = [re.fullmatch(r'grader\.check\("(\w+)"\)', sources[i + 1].strip()).group(1)
                for i in answer_cells]
-    assert checked == list(questions)
+    # otter stores the tests sorted by name (q10 before q2), so compare as sets
+    assert len(checked) == len(set(checked))
+    assert sorted(checked) == sorted(questions)
 
 
 def _assigned_names(tree):

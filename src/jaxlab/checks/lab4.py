@@ -1,0 +1,614 @@
+"""Hidden checks of Lab 4 (shipped only in the autograder zip, as ``jaxlab_lab4.py``).
+
+Same design as Lab 3: a probe runs in the student's kernel, calls the student's functions on
+fresh random inputs laid out as the question says, and records the results and the traced
+program (``jax.make_jaxpr``) as plain data; a verdict judges that data only, recomputing every
+reference from the lab's own recipe, and raises AssertionError in the student's terms.
+
+Collectives are recognised by the primitive names JAX 0.10 writes in a jaxpr: inside
+``shard_map`` ``psum``/``pmean`` trace to ``psum_invariant`` (``psum`` under ``vmap``),
+``psum_scatter`` to ``reduce_scatter``, ``all_gather`` to ``all_gather``, ``ppermute`` to
+``ppermute``; ``jax.pmap`` shows up as ``xla_pmap`` in older JAX (in 0.10 it is itself lowered
+to a ``shard_map``, so a pmap answer that is numerically right cannot be told apart).
+"""
+
+import collections
+import contextlib
+import functools
+import io
+import os
+import re
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+try:
+    from . import form
+except ImportError:  # in the autograder the checks are flat modules beside the notebook
+    import jaxlab_form as form
+
+# Float32 results computed in another order (blocks, rings, other devices) differ from the
+# float64 references by a few ulps; anything past these tolerances is a wrong answer.
+RTOL = 1e-4
+ATOL = 1e-5
+# Losses and gradients of the MLP: sums over 784 features in another order differ by ~1e-6.
+GRAD_RTOL = 1e-3
+GRAD_ATOL = 1e-4
+# 1000 SGD steps of the regression, float32 (student) against float64 (reference).
+TRAIN_RTOL = 1e-3
+TRAIN_ATOL = 1e-4
+N_DEVICES = 8
+LAYER_SIZES = (784, 128, 128, 128, 128, 128, 8)
+FRESH_BATCH = 64
+LEARNING_RATE = 0.005
+TRAIN_STEPS = 1000
+
+COLLECTIVES = {
+    "psum": ("psum", "psum_invariant", "psum2"),
+    "all_gather": ("all_gather", "all_gather_invariant"),
+    "psum_scatter": ("reduce_scatter",),
+    "ppermute": ("ppermute",),
+    "jax.pmap": ("xla_pmap",),
+    "jax.shard_map": ("shard_map",),
+}
+
+Params = collections.namedtuple("Params", "weight bias")
+
+
+@dataclass(frozen=True)
+class Question:
+    names: tuple
+    probe: Callable
+    verdict: Callable
+
+
+def probe(question, values):
+    """Evidence for ``question`` from the student's ``values`` (runs in the student's kernel)."""
+    return QUESTIONS[question].probe(values)
+
+
+def verdict(question, ev):
+    """Raise AssertionError with a message for the student unless the evidence is right."""
+    QUESTIONS[question].verdict(ev)
+
+
+def check(question, **values):
+    verdict(question, probe(question, values))
+
+
+# --------------------------------------------------------------------------- probes
+def _evidence_of(values):
+    return {name: form.evidence(value) for name, value in values.items()}
+
+
+def _rng():
+    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+def _devices():
+    import jax
+
+    devices = jax.devices() if len(jax.devices()) >= N_DEVICES else jax.devices("cpu")
+    return devices[:N_DEVICES]
+
+
+def _mesh(axis):
+    import jax
+    from jax.sharding import AxisType
+
+    return jax.make_mesh((N_DEVICES,), (axis,), axis_types=(AxisType.Auto,), devices=_devices())
+
+
+def _put(value, mesh, *spec):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return jax.device_put(value, NamedSharding(mesh, P(*spec)))
+
+
+def _error(exc):
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "-packages" not in f.filename and os.path.basename(f.filename) not in
+              ("lab4.py", "jaxlab_lab4.py")]
+    where = f" (line {frames[-1].lineno} of your code)" if frames else ""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:400] + where
+
+
+def _params_evidence(value):
+    """A pytree of results as evidence; namedtuples (the regression's Params) become dicts."""
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return {"kind": "params", "items": {f: form.evidence(getattr(value, f))
+                                           for f in value._fields}}
+    if type(value) in (list, tuple):
+        return {"kind": type(value).__name__, "items": [_params_evidence(v) for v in value]}
+    return form.evidence(value)
+
+
+def _trace(fn, *args):
+    import jax
+
+    try:
+        return {"jaxpr": str(jax.make_jaxpr(fn)(*args))}
+    except Exception as exc:
+        return {"jaxpr_error": _error(exc)}
+
+
+def _run(fn, *args, grad=False):
+    """Call ``fn`` (compiled) and, with ``grad``, its gradient in the first argument."""
+    import jax
+
+    out = io.StringIO()
+    ev = {}
+    try:
+        with contextlib.redirect_stdout(out):
+            ev["output"] = _params_evidence(jax.block_until_ready(jax.jit(fn)(*args)))
+            if grad:
+                ev["grad"] = _params_evidence(
+                    jax.block_until_ready(jax.jit(jax.grad(fn))(*args)))
+    except Exception as exc:
+        ev["error"] = _error(exc)
+    return ev
+
+
+def _probe_conv(values):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    ev = _evidence_of(values)
+    fn = values.get("normalized_convolution")
+    if not callable(fn):
+        return ev
+    rng = _rng()
+    xv = rng.uniform(0.5, 2.0, size=(5, 7)).astype(np.float32)
+    xs = rng.uniform(0.5, 2.0, size=(N_DEVICES, 7)).astype(np.float32)
+    w = rng.uniform(0.5, 2.0, size=(3,)).astype(np.float32)
+    vmapped = jax.vmap(fn, in_axes=(0, None), axis_name="p")
+    sharded = jax.shard_map(lambda x, w: fn(x[0], w)[None], mesh=_mesh("p"),
+                            in_specs=(P("p"), P()), out_specs=P("p"))
+    ev["fresh"] = {"x_vmap": xv, "x_shard": xs, "w": w, "vmap": _run(vmapped, xv, w),
+                   "shard_map": _run(sharded, xs, w), **_trace(vmapped, xv, w)}
+    return ev
+
+
+def _probe_global_sum(values):
+    ev = _evidence_of(values)
+    fn = values.get("global_sum")
+    if callable(fn):
+        x = _rng().uniform(-1.0, 1.0, size=(12 * N_DEVICES,)).astype(np.float32)
+        xp = _put(x, _mesh("i"), "i")
+        ev["fresh"] = {"x": x, **_run(fn, xp), **_trace(fn, xp)}
+    return ev
+
+
+def _probe_matmul(name, lhs_spec):
+    def probe_fn(values):
+        ev = _evidence_of(values)
+        fn = values.get(name)
+        if callable(fn):
+            rng = _rng()
+            lhs = rng.normal(size=(48, 64)).astype(np.float32)
+            rhs = rng.normal(size=(64, 24)).astype(np.float32)
+            mesh = _mesh("i")
+            args = (_put(lhs, mesh, *lhs_spec), _put(rhs, mesh, "i", None))
+            ev["fresh"] = {"lhs": lhs, "rhs": rhs, **_run(fn, *args), **_trace(fn, *args)}
+        return ev
+    return probe_fn
+
+
+LOSS_LAYOUTS = {  # question: (mesh axis, params spec, inputs spec, targets spec)
+    "loss_dp": ("batch", (), ("batch",), ("batch",)),
+    "loss_fsdp": ("batch", ("batch",), ("batch",), ("batch",)),
+    "loss_tp": ("feats", ("feats",), (None, "feats"), (None, "feats")),
+}
+
+
+def _probe_loss(name):
+    def probe_fn(values):
+        import jax
+
+        ev = _evidence_of(values)
+        fn = values.get(name)
+        if callable(fn):
+            seed = int(_rng().integers(1, 2**31))
+            params, (inputs, targets) = _init(jax.random.key(seed), LAYER_SIZES, FRESH_BATCH)
+            axis, pspec, ispec, tspec = LOSS_LAYOUTS[name]
+            mesh = _mesh(axis)
+            params = [(_put(W, mesh, *pspec), _put(b, mesh, *pspec)) for W, b in params]
+            batch = (_put(inputs, mesh, *ispec), _put(targets, mesh, *tspec))
+            ev["fresh"] = {"seed": seed, **_run(fn, params, batch, grad=True),
+                           **_trace(fn, params, batch)}
+        return ev
+    return probe_fn
+
+
+def _probe_training(values):
+    ev = {"update": form.evidence(values.get("update")),
+          "params_trained": _params_evidence(values.get("params_trained"))}
+    fn = values.get("update")
+    if callable(fn):
+        rng = _rng()
+        xs = rng.normal(size=(256, 1)).astype(np.float32)
+        ys = (3 * xs + 0.5 + 0.3 * rng.normal(size=(256, 1))).astype(np.float32)
+        w, b = rng.normal(size=(2,)).astype(np.float32)
+        mesh = _mesh("batch")
+        args = (Params(_put(np.float32(w), mesh), _put(np.float32(b), mesh)),
+                _put(xs, mesh, "batch"), _put(ys, mesh, "batch"))
+        ev["fresh"] = {"xs": xs, "ys": ys, "w": float(w), "b": float(b), **_run(fn, *args),
+                       **_trace(fn, *args)}
+    return ev
+
+
+# --------------------------------------------------------------------------- references
+def _convolve(x, w):
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    return np.array([x[i - 1:i + 2] @ w for i in range(1, len(x) - 1)])
+
+
+def _normalized_convolutions(xs, w):
+    out = np.stack([_convolve(x, w) for x in xs])
+    return out / out.sum(axis=0, keepdims=True)
+
+
+def _predict(params, inputs):
+    import jax
+    import jax.numpy as jnp
+
+    for W, b in params:
+        outputs = jnp.dot(inputs, W) + b
+        inputs = jax.nn.relu(outputs)
+    return outputs
+
+
+def _loss(params, batch):
+    import jax.numpy as jnp
+
+    inputs, targets = batch
+    predictions = _predict(params, inputs)
+    return jnp.mean(jnp.sum((predictions - targets) ** 2, axis=-1))
+
+
+def _init_layer(key, n_in, n_out):
+    import jax
+    import jax.numpy as jnp
+
+    k1, k2 = jax.random.split(key)
+    W = jax.random.normal(k1, (n_in, n_out)) / jnp.sqrt(n_in)
+    b = jax.random.normal(k2, (n_out,))
+    return W, b
+
+
+def _init(key, layer_sizes, batch_size):
+    """The lab's `init` (seed 003): parameters and one batch of inputs and targets."""
+    import jax
+
+    key, *keys = jax.random.split(key, len(layer_sizes))
+    params = list(map(_init_layer, keys, layer_sizes[:-1], layer_sizes[1:]))
+    key, *keys = jax.random.split(key, 3)
+    inputs = jax.random.normal(keys[0], (batch_size, layer_sizes[0]))
+    targets = jax.random.normal(keys[1], (batch_size, layer_sizes[-1]))
+    return params, (inputs, targets)
+
+
+def _reference_loss_and_grad(seed):
+    import jax
+
+    params, batch = _init(jax.random.key(seed), LAYER_SIZES, FRESH_BATCH)
+    loss, grads = jax.jit(jax.value_and_grad(_loss))(params, batch)
+    return float(loss), [(np.asarray(W), np.asarray(b)) for W, b in grads]
+
+
+def _regression_step(w, b, xs, ys, lr=LEARNING_RATE):
+    """One single-device SGD step of the seed's linear regression, in float64."""
+    xs, ys = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    err = w * xs + b - ys
+    return (w - lr * 2 * np.mean(err * xs), b - lr * 2 * np.mean(err), float(np.mean(err ** 2)))
+
+
+@functools.lru_cache(maxsize=None)
+def _regression_data():
+    """xs, ys and the initial Params exactly as the notebook makes them."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(128, 1)).astype(np.float32)
+    noise = 0.5 * rng.normal(size=(128, 1)).astype(np.float32)
+    ys = (xs * 2 - 1 + noise).astype(np.float32)
+    weights_key, bias_key = jax.random.split(jax.random.PRNGKey(123))
+    w = float(jax.random.normal(weights_key, ()))
+    b = float(jax.random.normal(bias_key, ()))
+    return xs, ys, w, b
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_reference():
+    xs, ys, w, b = _regression_data()
+    for _ in range(TRAIN_STEPS):
+        w, b, _ = _regression_step(w, b, xs, ys)
+    return w, b
+
+
+# --------------------------------------------------------------------------- verdict helpers
+def _fail(message):
+    raise AssertionError(message)
+
+
+def _close(name, actual, expected, what, rtol=RTOL, atol=ATOL):
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        _fail(f"`{name}` has shape {actual.shape}; expected {expected.shape} ({what}).")
+    if not np.all(np.isfinite(actual)):
+        _fail(f"`{name}` contains NaN or infinite values; expected {what}.")
+    if not np.allclose(actual, expected, rtol=rtol, atol=atol):
+        worst = float(np.max(np.abs(actual - expected)))
+        _fail(f"`{name}` has the wrong values: expected {what}, but they differ by up to "
+              f"{worst:.3g} (tolerance: rtol={rtol:g}, atol={atol:g}).")
+
+
+def _is_multiple(actual, expected, factor, rtol=GRAD_RTOL, atol=GRAD_ATOL):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return actual.shape == expected.shape and np.allclose(actual, factor * expected, rtol=rtol,
+                                                          atol=atol)
+
+
+def _primitives(jaxpr):
+    return set(re.findall(r"\b([a-z_][a-z0-9_]*)\[", jaxpr))
+
+
+def _uses(jaxpr, collective):
+    return bool(_primitives(jaxpr) & set(COLLECTIVES[collective]))
+
+
+def _fresh(name, ev, call):
+    """The probe's record of calling the student's function; fails if it could not run."""
+    expect = form.expect_callable
+    expect(name, ev[name])
+    fresh = ev.get("fresh")
+    if fresh is None:
+        _fail(f"`{name}` could not be tried on new data.")
+    if "error" in fresh:
+        _fail(f"`{call}` on new data raised {fresh['error']}; it should work for any inputs "
+              "of the layout the task describes.")
+    return fresh
+
+
+def _method(name, fresh, required=(), forbidden=(), shard_map=True, why=""):
+    if "jaxpr_error" in fresh:
+        _fail(f"`{name}` could not be traced with jax.make_jaxpr: {fresh['jaxpr_error']}")
+    jaxpr = fresh["jaxpr"]
+    if shard_map and not _uses(jaxpr, "jax.shard_map"):
+        _fail(f"`{name}` gives the right numbers but does not go through jax.shard_map; this "
+              "task asks you to write the per-device program with jax.shard_map.")
+    for collective in forbidden:
+        if _uses(jaxpr, collective):
+            _fail(f"`{name}` uses `{collective}`, which this task rules out{why}.")
+    for collective in required:
+        if not _uses(jaxpr, collective):
+            _fail(f"`{name}` gives the right numbers but its traced program has no "
+                  f"`jax.lax.{collective}`; this task asks you to use it{why}.")
+
+
+def _array_out(call, out, shape):
+    if out["kind"] != "array":
+        _fail(f"`{call}` returned {form.describe(out)}; expected a jax.Array of shape {shape}.")
+    if tuple(out["shape"]) != tuple(shape):
+        _fail(f"`{call}` returned an array of shape {tuple(out['shape'])}; expected {shape}.")
+
+
+def _on_8_devices(call, out, spec, words):
+    from jax.sharding import PartitionSpec as P
+
+    sev = out["sharding"]
+    if sev["kind"] != "NamedSharding" or len(sev["devices"]) != N_DEVICES:
+        _fail(f"`{call}` returned an array {form.describe_sharding(sev)}; expected it spread "
+              f"over the {N_DEVICES} devices of the mesh, {words}.")
+    if len(sev["axis_names"]) == 1:
+        spec = tuple(sev["axis_names"][0] if s == "axis" else s for s in spec)
+    if not form.is_laid_out_as(sev, len(out["shape"]), P(*spec)):
+        _fail(f"`{call}` returned an array {form.describe_sharding(sev)}; expected {words} "
+              "(check `out_specs`).")
+
+
+# --------------------------------------------------------------------------- verdicts
+def _q1(ev):
+    fresh = _fresh("normalized_convolution", ev, "normalized_convolution(x, w)")
+    for key, xs, how in (("vmap", fresh["x_vmap"], "jax.vmap(normalized_convolution, "
+                          "in_axes=(0, None), axis_name='p')"),
+                         ("shard_map", fresh["x_shard"], "jax.shard_map over a mesh axis 'p' "
+                          "(one example per device)")):
+        run = fresh[key]
+        call = f"normalized_convolution under {how}"
+        if "error" in run:
+            _fail(f"`{call}` on {len(xs)} new examples of length {xs.shape[1]} raised "
+                  f"{run['error']}.")
+        expected = _normalized_convolutions(xs, fresh["w"])
+        _array_out(call, run["output"], expected.shape)
+        _close(call, run["output"]["value"], expected,
+               "each example's convolution divided by the sum of the convolutions over all "
+               "examples (a psum over the axis 'p')")
+    _method("normalized_convolution", fresh, required=("psum",), shard_map=False)
+
+
+def _q2(ev):
+    fresh = _fresh("global_sum", ev, "global_sum(x)")
+    out = fresh["output"]
+    if out["kind"] == "array" and out["shape"] == [N_DEVICES]:
+        _fail(f"`global_sum(x)` returned {N_DEVICES} numbers, one per device; add them up with "
+              "a collective inside the shard_map and return a scalar replicated on every "
+              "device (out_specs=P()).")
+    _array_out("global_sum(x)", out, ())
+    _close("global_sum(x)", out["value"], np.sum(fresh["x"], dtype=np.float64),
+           f"the sum of all {len(fresh['x'])} entries of x")
+    _method("global_sum", fresh, required=("psum",), forbidden=("all_gather",),
+            why=": each device sums its own block, then one psum adds the partial sums")
+    _on_8_devices("global_sum(x)", out, (), "replicated")
+
+
+MATMULS = {  # question: (function, lhs layout in words, required, forbidden, why)
+    "q3_matmul_allgather": ("matmul_allgather", "rows", ("all_gather",), (),
+                            ": gather the blocks of rhs, then multiply locally"),
+    "q4_matmul_ring": ("matmul_allgather_overlapped", "rows", ("ppermute",),
+                       ("all_gather", "psum"),
+                       ": blocks of rhs must travel around a ppermute ring instead"),
+    "q5_matmul_reducescatter": ("matmul_psumscatter", "columns", ("psum_scatter",), (),
+                                ": multiply locally, then psum_scatter the partial products"),
+    "q6_matmul_ring_reducescatter": ("matmul_psumscatter_overlapped", "columns", ("ppermute",),
+                                     ("psum_scatter", "psum", "all_gather"),
+                                     ": partial sums must travel around a ppermute ring "
+                                     "instead"),
+}
+
+
+def _matmul_verdict(question):
+    name, lhs_words, required, forbidden, why = MATMULS[question]
+
+    def verdict_fn(ev):
+        call = f"{name}(lhs, rhs)"
+        fresh = _fresh(name, ev, call)
+        lhs, rhs = fresh["lhs"], fresh["rhs"]
+        expected = lhs.astype(np.float64) @ rhs
+        what = (f"lhs @ rhs for new lhs {lhs.shape} sharded by {lhs_words} and rhs "
+                f"{rhs.shape} sharded by rows")
+        _array_out(call, fresh["output"], expected.shape)
+        _close(call, fresh["output"]["value"], expected, what)
+        _method(name, fresh, required=required, forbidden=forbidden, why=why)
+        _on_8_devices(call, fresh["output"], ("axis", None),
+                      "the result sharded by rows (out_specs=P('i', None))")
+    return verdict_fn
+
+
+LOSSES = {  # question: (function, required, forbidden, why)
+    "q7_loss_dp": ("loss_dp", ("psum",), ("all_gather",),
+                   ": each device computes the loss of its part of the batch with the full "
+                   "(replicated) parameters, and one pmean/psum combines the scalars"),
+    "q8_loss_fsdp": ("loss_fsdp", ("all_gather", "psum"), (),
+                     ": each device gathers every weight with all_gather just before using it, "
+                     "and one pmean/psum combines the losses"),
+    "q9_loss_tp": ("loss_tp", ("psum_scatter",), ("all_gather",),
+                   ": weights stay sharded over features; each layer multiplies locally and "
+                   "psum_scatter sums and re-shards the result"),
+}
+
+
+def _leaves(name, ev):
+    """The (W, b) arrays of a params-shaped result, flattened."""
+    if ev["kind"] not in ("list", "tuple") or len(ev["items"]) != len(LAYER_SIZES) - 1:
+        _fail(f"`{name}` is {form.describe(ev)}; expected a list of "
+              f"{len(LAYER_SIZES) - 1} (W, b) pairs like `params`.")
+    leaves = []
+    for pair in ev["items"]:
+        if pair["kind"] not in ("list", "tuple") or len(pair["items"]) != 2 or any(
+                p["kind"] != "array" for p in pair["items"]):
+            _fail(f"`{name}` should hold (W, b) pairs of arrays; one item is "
+                  f"{form.describe(pair)}.")
+        leaves.extend(pair["items"])
+    return leaves
+
+
+def _loss_verdict(question):
+    name, required, forbidden, why = LOSSES[question]
+
+    def verdict_fn(ev):
+        call = f"{name}(params, batch)"
+        fresh = _fresh(name, ev, call)
+        ref_loss, ref_grads = _reference_loss_and_grad(fresh["seed"])
+        out = fresh["output"]
+        _array_out(call, out, ())
+        value = float(out["value"])
+        if _is_multiple(value, ref_loss, N_DEVICES):
+            _fail(f"`{call}` is {value:.6g}, {N_DEVICES} times the loss {ref_loss:.6g}: psum "
+                  "adds up the per-device mean losses. Average them with jax.lax.pmean "
+                  f"(or divide the psum by {N_DEVICES}).")
+        _close(call, value, ref_loss, "the single-device `loss(params, batch)` for new "
+               "params and batch", rtol=GRAD_RTOL, atol=GRAD_ATOL)
+        grad_call = f"jax.grad({name})(params, batch)"
+        leaves = _leaves(grad_call, fresh["grad"])
+        expected = [g for pair in ref_grads for g in pair]
+        if all(_is_multiple(a["value"], e, N_DEVICES) for a, e in zip(leaves, expected)):
+            _fail(f"`{grad_call}` is {N_DEVICES} times the gradient of the single-device loss. "
+                  "Inside jax.shard_map, jax.grad with respect to replicated parameters "
+                  "already sums the gradient over the devices; check which collective you "
+                  "apply and to what.")
+        for i, (leaf, exp) in enumerate(zip(leaves, expected)):
+            _close(f"{grad_call}[{i // 2}][{i % 2}]", leaf["value"], exp,
+                   "the gradient of the single-device `loss` for new params and batch",
+                   rtol=GRAD_RTOL, atol=GRAD_ATOL)
+        _method(name, fresh, required=required, forbidden=forbidden, why=why)
+    return verdict_fn
+
+
+def _scalar_pair(name, ev):
+    """(weight, bias) evidence from a Params namedtuple or a 2-tuple."""
+    if ev["kind"] == "params" and set(ev["items"]) == {"weight", "bias"}:
+        items = [ev["items"]["weight"], ev["items"]["bias"]]
+    elif ev["kind"] in ("tuple", "list") and len(ev["items"]) == 2:
+        items = ev["items"]
+    else:
+        _fail(f"`{name}` is {form.describe(ev)}; expected Params(weight, bias).")
+    for field, item in zip(("weight", "bias"), items):
+        if item["kind"] not in ("array", "number") or item.get("shape", []) != []:
+            _fail(f"`{name}.{field}` is {form.describe(item)}; expected a scalar.")
+    return items
+
+
+def _q10(ev):
+    fresh = _fresh("update", ev, "update(params, xs, ys)")
+    call = "update(params, xs, ys)"
+    out = fresh["output"]
+    if out["kind"] not in ("tuple", "list") or len(out["items"]) != 2:
+        _fail(f"`{call}` returned {form.describe(out)}; expected (new_params, loss) as the "
+              "seed's update does.")
+    new_ev, loss_ev = out["items"]
+    new = _scalar_pair(f"{call}[0]", new_ev)
+    w, b = fresh["w"], fresh["b"]
+    ref_w, ref_b, ref_loss = _regression_step(w, b, fresh["xs"], fresh["ys"])
+    found = np.array([float(np.asarray(i["value"])) for i in new])
+    step = found - [w, b]
+    ref_step = np.array([ref_w - w, ref_b - b])
+    if np.allclose(step, N_DEVICES * ref_step, rtol=GRAD_RTOL, atol=1e-7):
+        _fail(f"`{call}` takes a step {N_DEVICES} times too large: its gradient is "
+              f"{N_DEVICES}x the true one. Inside jax.shard_map (JAX 0.6.1 and later), "
+              "jax.grad with respect to replicated params already sums the per-device "
+              "gradients, so the pmap recipe 'pmean the grads' multiplies them by the number "
+              "of devices. Take the gradient of jax.lax.pmean(loss, axis) instead, or do not "
+              "average the gradients again.")
+    _close(f"{call}[0]", step, ref_step, f"a step of -{LEARNING_RATE} × the gradient of the "
+           "mean squared error over the whole (new) batch, as on one device",
+           rtol=GRAD_RTOL, atol=1e-7)
+    if loss_ev["kind"] not in ("array", "number") or loss_ev.get("shape", []) != []:
+        _fail(f"`{call}[1]` (the loss) is {form.describe(loss_ev)}; expected a scalar.")
+    _close(f"{call}[1]", float(np.asarray(loss_ev["value"])), ref_loss,
+           "the mean squared error over the whole batch before the step (a pmean over devices)",
+           rtol=GRAD_RTOL)
+    for field, item in zip(("weight", "bias"), new):
+        if item["kind"] == "array":
+            _on_8_devices(f"{call}[0].{field}", item, (), "replicated (out_specs=P())")
+    _method("update", fresh, required=("psum",), forbidden=("jax.pmap",),
+            why=": average over the devices inside jax.shard_map, not with jax.pmap")
+    form.expect_defined("params_trained", ev["params_trained"])
+    trained = _scalar_pair("params_trained", ev["params_trained"])
+    ref = _trained_reference()
+    for field, item, expected in zip(("weight", "bias"), trained, ref):
+        _close(f"params_trained.{field}", float(np.asarray(item["value"])), expected,
+               f"the {field} after {TRAIN_STEPS} steps of single-device SGD from the lab's "
+               "`params` on `xs`, `ys`", rtol=TRAIN_RTOL, atol=TRAIN_ATOL)
+
+
+def _q(names, verdict_fn, probe_fn=_evidence_of):
+    return Question(names=tuple(names.split()), probe=probe_fn, verdict=verdict_fn)
+
+
+QUESTIONS = {
+    "q1_vmap_collective": _q("normalized_convolution", _q1, _probe_conv),
+    "q2_global_sum": _q("global_sum", _q2, _probe_global_sum),
+    **{q: _q(name, _matmul_verdict(q), _probe_matmul(name, spec))
+       for q, spec in (("q3_matmul_allgather", ("i", None)), ("q4_matmul_ring", ("i", None)),
+                       ("q5_matmul_reducescatter", (None, "i")),
+                       ("q6_matmul_ring_reducescatter", (None, "i")))
+       for name in [MATMULS[q][0]]},
+    **{q: _q(LOSSES[q][0], _loss_verdict(q), _probe_loss(LOSSES[q][0])) for q in LOSSES},
+    "q10_dp_training": _q("update params_trained", _q10, _probe_training),
+}

@@ -1,0 +1,294 @@
+"""Evidence and form checks shared by every lab (shipped to students as ``jaxlab_form.py``).
+
+A check runs in two steps. ``evidence(value)`` turns whatever a student's variable holds into
+plain data (numbers, strings, lists, dicts and NumPy arrays), judging types by their exact
+class so an object cannot pass itself off as an array. The ``expect_*`` functions and each
+lab's hidden verdicts read only that plain data, so they can run in a process other than the
+student's kernel (``jaxlab grade`` does that) as well as inside it (``grader.check``).
+
+Nothing here knows an answer: hidden checks live in the ``labN`` modules, which students
+never receive.
+"""
+
+import json
+import math
+import pathlib
+
+import numpy as np
+
+ARRAY_TYPE_NAMES = ("ArrayImpl",)
+
+
+def _is_jax_array(value):
+    cls = type(value)
+    return cls.__name__ in ARRAY_TYPE_NAMES and cls.__module__.startswith(("jax", "jaxlib"))
+
+
+def sharding_evidence(sharding):
+    """Plain-data description of a ``jax.sharding.Sharding``."""
+    kind = type(sharding).__name__
+    ev = {"kind": kind, "repr": repr(sharding)}
+    if kind == "NamedSharding":
+        mesh = sharding.mesh
+        ev["axis_names"] = [str(a) for a in mesh.axis_names]
+        ev["mesh_shape"] = [int(mesh.shape[a]) for a in mesh.axis_names]
+        ev["axis_types"] = [str(t).rsplit(".", 1)[-1] for t in mesh.axis_types]
+        ev["device_ids"] = np.asarray(mesh.device_ids).tolist()
+        ev["platform"] = str(mesh.devices.flat[0].platform)
+        ev["spec"] = [_spec_entry(e) for e in sharding.spec]
+    ev["devices"] = sorted(int(d.id) for d in sharding.device_set)
+    return ev
+
+
+def _spec_entry(entry):
+    if entry is None:
+        return None
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, (tuple, list)):
+        return [str(e) for e in entry]
+    return repr(entry)
+
+
+def evidence(value):
+    """Describe ``value`` as plain data; see the module docstring."""
+    if value is None:
+        return {"kind": "none"}
+    if value is Ellipsis:
+        return {"kind": "ellipsis"}
+    cls = type(value)
+    if cls is bool:
+        return {"kind": "bool", "value": value}
+    if cls in (int, float) or cls.__module__ == "numpy" and np.isscalar(value):
+        if isinstance(value, (np.bool_, bool)):
+            return {"kind": "bool", "value": bool(value)}
+        if isinstance(value, (int, float, np.integer, np.floating)):
+            return {"kind": "number", "value": float(value), "type": cls.__name__,
+                    "is_int": isinstance(value, (int, np.integer))}
+    if cls is str:
+        return {"kind": "str", "value": value}
+    if _is_jax_array(value):
+        return _array_evidence(value)
+    if cls is np.ndarray:
+        if value.dtype == object:
+            return {"kind": "other", "type": "numpy object array"}
+        return {"kind": "ndarray", "shape": list(value.shape), "dtype": str(value.dtype),
+                "value": np.array(value)}
+    if cls in (tuple, list):
+        return {"kind": cls.__name__, "items": [evidence(v) for v in value]}
+    if cls in (set, frozenset):
+        return {"kind": "set", "items": [evidence(v) for v in value]}
+    if cls is dict:
+        return {"kind": "dict", "items": [[evidence(k), evidence(v)] for k, v in value.items()]}
+    if cls.__name__ in ("PartitionSpec", "P") and cls.__module__.startswith("jax"):
+        return {"kind": "spec", "entries": [_spec_entry(e) for e in value]}
+    if cls.__module__.startswith(("jax", "jaxlib")) and hasattr(value, "platform") \
+            and hasattr(value, "id"):
+        return {"kind": "device", "id": int(value.id), "platform": str(value.platform)}
+    if callable(value):
+        return {"kind": "callable", "type": cls.__name__,
+                "name": str(getattr(value, "__name__", cls.__name__))}
+    return {"kind": "other", "type": cls.__name__}
+
+
+def _array_evidence(x):
+    import jax
+
+    ev = {"kind": "array", "shape": [int(n) for n in x.shape], "dtype": str(x.dtype)}
+    try:
+        ev["value"] = np.asarray(jax.device_get(x))
+    except Exception as exc:  # deleted or donated buffers
+        return {"kind": "other", "type": f"unreadable jax.Array ({exc})"}
+    ev["sharding"] = sharding_evidence(x.sharding)
+    ev["typeof"] = str(jax.typeof(x))
+    return ev
+
+
+# --------------------------------------------------------------------------- transport
+def dump_evidence(ev, path):
+    """Write evidence as JSON plus an ``.npz`` of its arrays (no pickle anywhere)."""
+    arrays = {}
+
+    def strip(node):
+        if isinstance(node, np.ndarray):
+            key = f"a{len(arrays)}"
+            arrays[key] = node
+            return {"__array__": key}
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [strip(v) for v in node]
+        if isinstance(node, float) and not math.isfinite(node):
+            return {"__float__": repr(node)}
+        return node
+
+    path = pathlib.Path(path)
+    path.write_text(json.dumps(strip(ev)))
+    np.savez(path.with_suffix(".npz"), **arrays)
+
+
+def load_evidence(path):
+    path = pathlib.Path(path)
+    with np.load(path.with_suffix(".npz"), allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+
+    def restore(node):
+        if isinstance(node, dict):
+            if set(node) == {"__array__"}:
+                return arrays[node["__array__"]]
+            if set(node) == {"__float__"}:
+                return float(node["__float__"])
+            return {k: restore(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [restore(v) for v in node]
+        return node
+
+    return restore(json.loads(path.read_text()))
+
+
+# --------------------------------------------------------------------------- wording
+def describe(ev):
+    """A few words on what a variable holds, for failure messages."""
+    kind = ev["kind"]
+    if kind == "none":
+        return "None"
+    if kind == "ellipsis":
+        return "`...` (the placeholder)"
+    if kind == "array":
+        return f"a jax.Array of shape {tuple(ev['shape'])} and dtype {ev['dtype']}"
+    if kind == "ndarray":
+        return f"a NumPy array of shape {tuple(ev['shape'])} (not a jax.Array)"
+    if kind == "number":
+        return f"the number {ev['value']:g}"
+    if kind in ("tuple", "list", "set", "dict"):
+        return f"a {kind} with {len(ev['items'])} items"
+    if kind == "callable":
+        return f"a function `{ev['name']}`"
+    if kind == "spec":
+        return f"a PartitionSpec {spec_repr(ev['entries'])}"
+    return f"an object of type {ev.get('type', kind)}"
+
+
+def spec_repr(entries):
+    def one(e):
+        if isinstance(e, list):
+            return "(" + ", ".join(repr(x) for x in e) + ")"
+        return repr(e)
+
+    return "P(" + ", ".join(one(e) for e in entries) + ")"
+
+
+def _axes(entry):
+    if entry is None:
+        return []
+    return entry if isinstance(entry, list) else [entry]
+
+
+def describe_sharding(sev):
+    """Say in words how an array with this sharding evidence is laid out."""
+    if sev["kind"] == "SingleDeviceSharding":
+        return f"on a single device (device {sev['devices'][0]})"
+    if sev["kind"] != "NamedSharding":
+        return f"placed with a {sev['kind']} on devices {sev['devices']}"
+    sizes = dict(zip(sev["axis_names"], sev["mesh_shape"]))
+    used, parts = set(), []
+    for dim, entry in enumerate(sev["spec"]):
+        axes = _axes(entry)
+        if axes:
+            used.update(axes)
+            ways = math.prod(sizes.get(a, 1) for a in axes)
+            names = " and ".join(f"'{a}'" for a in axes)
+            parts.append(f"dimension {dim} split {ways} ways over mesh axis {names}")
+    rest = [a for a in sev["axis_names"] if a not in used and sizes[a] > 1]
+    mesh = "×".join(str(n) for n in sev["mesh_shape"])
+    if not parts:
+        return f"replicated on every device of the {mesh} mesh"
+    text = ", ".join(parts)
+    if rest:
+        text += ", replicated over mesh axis " + " and ".join(f"'{a}'" for a in rest)
+    return text + f" (spec {spec_repr(sev['spec'])} on a {mesh} mesh)"
+
+
+# --------------------------------------------------------------------------- form checks
+def expect_defined(name, ev):
+    """Fail unless ``name`` holds something other than None or the ``...`` placeholder."""
+    if ev["kind"] in ("none", "ellipsis"):
+        raise AssertionError(
+            f"`{name}` is not defined yet (it holds {describe(ev)}): write your answer in the "
+            "cell under '### Your code here' and run it.")
+
+
+def expect_array(name, ev, shape=None):
+    expect_defined(name, ev)
+    if ev["kind"] != "array":
+        raise AssertionError(f"`{name}` should be a jax.Array; it is {describe(ev)}.")
+    if shape is not None and tuple(ev["shape"]) != tuple(shape):
+        raise AssertionError(
+            f"`{name}` has shape {tuple(ev['shape'])}; expected shape {tuple(shape)}.")
+
+
+def expect_on_mesh(name, ev, shape=None):
+    """``name`` is a jax.Array laid out with a NamedSharding (placed on a mesh)."""
+    expect_array(name, ev, shape)
+    if ev["sharding"]["kind"] != "NamedSharding":
+        raise AssertionError(
+            f"`{name}` is not placed on a mesh: it lives {describe_sharding(ev['sharding'])}. "
+            "Place it with jax.device_put(..., NamedSharding(mesh, P(...))).")
+
+
+def expect_callable(name, ev):
+    expect_defined(name, ev)
+    if ev["kind"] != "callable":
+        raise AssertionError(f"`{name}` should be a function; it is {describe(ev)}.")
+
+
+def expect_number(name, ev):
+    expect_defined(name, ev)
+    if ev["kind"] != "number" or not math.isfinite(ev["value"]):
+        raise AssertionError(f"`{name}` should be a finite number (a float); it is {describe(ev)}.")
+
+
+def expect_kind(name, ev, kind, what):
+    expect_defined(name, ev)
+    if ev["kind"] != kind:
+        raise AssertionError(f"`{name}` should be {what}; it is {describe(ev)}.")
+
+
+# --------------------------------------------------------------------------- shardings
+def rebuild_sharding(sev):
+    """Recreate the sharding described by ``sev`` on this process's devices.
+
+    Device ids are mapped in sorted order onto local devices, so evidence taken on 8 GPUs or
+    8 CPU devices rebuilds on the 8 CPU devices of a grading process.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    local = jax.devices()
+    ids = sorted({i for i in np.ravel(sev.get("device_ids", sev["devices"]))})
+    if len(ids) > len(local):
+        raise AssertionError(
+            f"the array is spread over {len(ids)} devices but this grader has {len(local)}")
+    by_id = dict(zip(ids, local))
+    if sev["kind"] == "SingleDeviceSharding":
+        return SingleDeviceSharding(by_id[sev["devices"][0]])
+    if sev["kind"] != "NamedSharding":
+        return None
+    devices = np.vectorize(by_id.__getitem__, otypes=[object])(np.array(sev["device_ids"]))
+    types = tuple(getattr(AxisType, t) for t in sev["axis_types"])
+    mesh = Mesh(devices, tuple(sev["axis_names"]), axis_types=types)
+    spec = PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in sev["spec"]])
+    return NamedSharding(mesh, spec)
+
+
+def is_laid_out_as(sev, ndim, spec):
+    """Whether evidence ``sev`` describes the same layout as ``spec`` on the array's own mesh.
+
+    Compares with ``Sharding.is_equivalent_to``, so ``P('x')`` and ``P('x', None)`` agree.
+    """
+    from jax.sharding import NamedSharding
+
+    actual = rebuild_sharding(sev)
+    if not isinstance(actual, NamedSharding):
+        return False
+    return actual.is_equivalent_to(NamedSharding(actual.mesh, spec), ndim)
