@@ -18,7 +18,7 @@ from tqdm import tqdm
 from . import report
 from .autograder import open_autograder, shipped_autograder
 from .submissions import collect
-from .worker import set_subreaper
+from .worker import kill_and_reap, set_subreaper
 
 GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its record
 
@@ -54,6 +54,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=600, cell_timeout
                       "record": str(scratch / f"{_key(s.file)}.json")})
         done = queue.Queue()
         n = max(1, min(workers or os.cpu_count() or 1, len(pending)))
+        settings["log"] = str(state / "workers.log")
         slots = [threading.Thread(target=_slot, args=(settings, jobs, done), daemon=True)
                  for _ in range(n if pending else 0)]
         for t in slots:
@@ -109,10 +110,11 @@ class _Process:
     """One worker subprocess; its stdout lines arrive on a queue so reads can time out."""
 
     def __init__(self, settings):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxlab.grade.worker"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_worker_env(),
-            start_new_session=True)
+        with open(settings["log"], "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxlab.grade.worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env(),
+                start_new_session=True)
         self.lines = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.send(settings)
@@ -191,9 +193,10 @@ def _read_record(job):
 
 def _sweep(since):
     """Kill any process this batch started that is still alive (none should be)."""
-    for p in psutil.Process().children(recursive=True):
+    def ours(p):
         try:
-            if p.create_time() >= since - 1:
-                p.kill()
+            return p.create_time() >= since - 1
         except psutil.Error:
-            pass
+            return False
+
+    kill_and_reap(p for p in psutil.Process().children(recursive=True) if ours(p))

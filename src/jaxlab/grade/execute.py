@@ -16,7 +16,8 @@ import threading
 import time
 
 import psutil
-from jupyter_client import KernelManager
+from jupyter_client import AsyncKernelManager
+from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
@@ -163,15 +164,15 @@ def kernel_env(cache_dir=None, xla_threads=None):
 
 @dataclasses.dataclass
 class Kernel:
-    km: KernelManager
+    km: AsyncKernelManager
     workdir: str
 
     @classmethod
     def start(cls, env, root):
         workdir = tempfile.mkdtemp(prefix="kernel-", dir=root)
-        km = KernelManager(kernel_name="python3")
+        km = AsyncKernelManager(kernel_name="python3")
         # jupyter_client starts the kernel in a new session: its pid is its process group id.
-        km.start_kernel(cwd=workdir, env=env, stdout=subprocess.DEVNULL,
+        run_sync(km.start_kernel)(cwd=workdir, env=env, stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         return cls(km, workdir)
 
@@ -194,10 +195,10 @@ class Kernel:
         except (ProcessLookupError, PermissionError, TypeError):
             pass
         try:
-            self.km.shutdown_kernel(now=True)
+            run_sync(self.km.shutdown_kernel)(now=True)
         except Exception:
             pass
-        self.km.cleanup_resources()
+        run_sync(self.km.cleanup_resources)()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -250,6 +251,11 @@ class _Client(NotebookClient):
     """nbclient that stops keeping outputs past ``output_cap`` characters."""
 
     output_cap = 10 * 2**20
+    timed_out = ()
+
+    async def _async_handle_timeout(self, timeout, cell=None):
+        self.timed_out = (*self.timed_out, cell)
+        return await super()._async_handle_timeout(timeout, cell)
 
     def output(self, outs, msg, display_id, cell_index):
         self.output_chars = getattr(self, "output_chars", 0) + len(str(msg["content"]))
@@ -270,12 +276,12 @@ class Execution:
     seconds: float = 0
 
 
-TIMEOUT_ENAME = "CellTimeout"
-
-
 def execute(kernel, cells, extra_cells, *, timeout, cell_timeout, memory_mb, output_cap,
-            on_start=None):
-    """Run ``cells`` ((index, source) pairs) then ``extra_cells`` (sources) in ``kernel``."""
+            on_start=None, on_grader_start=None):
+    """Run ``cells`` ((index, source) pairs) then ``extra_cells`` (sources) in ``kernel``.
+
+    ``on_grader_start`` runs once, after the student's cells and before the first extra cell.
+    """
     import nbformat.v4 as v4
 
     nb = v4.new_notebook(cells=[v4.new_code_cell(src) for _, src in cells]
@@ -285,14 +291,17 @@ def execute(kernel, cells, extra_cells, *, timeout, cell_timeout, memory_mb, out
     index = [i for i, _ in cells] + [None] * len(extra_cells)
     client = _Client(nb, km=kernel.km, timeout=cell_timeout, allow_errors=True,
                      interrupt_on_timeout=True, kernel_name="python3",
-                     error_on_timeout={"ename": TIMEOUT_ENAME, "evalue":
-                                       f"cell ran over {cell_timeout:g} s and was interrupted",
-                                       "traceback": []},
                      on_notebook_start=lambda **kw: on_start and on_start())
     client.output_cap = output_cap
     result = Execution()
     current = {"cell": None}
-    client.on_cell_execute = lambda cell, cell_index: current.update(cell=index[cell_index])
+
+    def on_cell_execute(cell, cell_index):
+        if index[cell_index] is None and current["cell"] != "grader" and on_grader_start:
+            on_grader_start()
+        current.update(cell=index[cell_index] if index[cell_index] is not None else "grader")
+
+    client.on_cell_execute = on_cell_execute
     dog = Watchdog(kernel, timeout, memory_mb * 2**20)
     start = time.monotonic()
     dog.start()
@@ -307,19 +316,23 @@ def execute(kernel, cells, extra_cells, *, timeout, cell_timeout, memory_mb, out
         dog.join()
         result.seconds = time.monotonic() - start
     alive = any(p.is_running() for p in kernel.tree())
-    where = f" in cell {current['cell']}" if current["cell"] is not None else \
-        " while the grader read the answers"
+    where = {None: "", "grader": " while the grader read the answers"}.get(
+        current["cell"], f" in cell {current['cell']}")
     if dog.reason == "timeout":
         result.killed = f"timed out: ran over {timeout:g} s{where} and was killed"
     elif dog.reason:
         result.killed = f"killed{where}: {dog.reason}"
     elif not alive or result.killed:
         result.killed = f"the kernel died{where}" + (f" ({result.killed})" if result.killed else "")
+    timed_out = [id(c) for c in client.timed_out]
     for cell, i in zip(nb.cells, index):
+        if id(cell) in timed_out:
+            (result.timed_out_cells if i is not None else result.cell_errors).append(
+                (i, f"ran over {cell_timeout:g} s and was interrupted"))
+            continue
         for out in cell.get("outputs", []):
             if out.get("output_type") == "error":
-                (result.timed_out_cells if out.ename == TIMEOUT_ENAME and i is not None
-                 else result.cell_errors).append((i, f"{out.ename}: {out.evalue}"[:300]))
+                result.cell_errors.append((i, f"{out.ename}: {out.evalue}"[:300]))
             elif i is not None:
                 text = out.get("text") or out.get("data", {}).get("text/plain", "")
                 result.outputs.append((i, "".join(text)))

@@ -28,32 +28,28 @@ class Submission:
 def collect(paths, exclude=()):
     """Every .ipynb and .zip named by ``paths`` or found under folders among them."""
     exclude = [pathlib.Path(e).resolve() for e in exclude]
-    found = {}
+    found = {}  # resolved path -> (path, name relative to the folder it was found in)
     for given in map(pathlib.Path, paths):
         if given.is_dir():
-            candidates = (p for p in sorted(given.rglob("*"))
+            candidates = [(p, p.relative_to(given).as_posix()) for p in sorted(given.rglob("*"))
                           if p.suffix.lower() in SUFFIXES and p.is_file()
-                          and not any(part.startswith(".") for part in p.relative_to(given).parts))
+                          and not any(part.startswith(".") for part in p.relative_to(given).parts)]
         else:
-            candidates = [given]
-        for path in candidates:
+            candidates = [(given, given.name)]
+        for path, rel in candidates:
             resolved = path.resolve()
             if not any(resolved.is_relative_to(e) for e in exclude):
-                found.setdefault(resolved, path)
-    return _name(list(found.values()))
-
-
-def _name(paths):
+                found.setdefault(resolved, (path, rel))
     counts = {}
-    for p in paths:
-        counts[p.name] = counts.get(p.name, 0) + 1
-    subs = []
-    for p in paths:
-        if counts[p.name] == 1:
-            subs.append(Submission(p.name, p))
-        else:
-            subs.append(Submission(str(p).replace("\\", "/").lstrip("./"), p))
-    return sorted(subs, key=lambda s: s.file)
+    for path, _ in found.values():
+        counts[path.name] = counts.get(path.name, 0) + 1
+    subs = {}
+    for path, rel in found.values():
+        name = path.name if counts[path.name] == 1 else rel
+        while name in subs:  # same relative path under two given folders
+            name = f"{path.parent.name}/{name}"
+        subs[name] = Submission(name, path)
+    return sorted(subs.values(), key=lambda s: s.file)
 
 
 def read_submission(path):

@@ -11,10 +11,13 @@ import json
 import os
 import pathlib
 import re
+import secrets
 import shutil
 import sys
 import tempfile
 import time
+
+import psutil
 
 from .autograder import FORM_MODULE, read_autograder
 from .execute import Kernel, execute, grader_cells, kernel_env, student_cells
@@ -22,6 +25,16 @@ from .judge import judge
 from .submissions import BadSubmission, read_submission
 
 NOT_TAMPER_CHECKED = "not tamper-checked: the autograder has no jaxlab checks module"
+
+
+def kill_and_reap(procs):
+    procs = list(procs)
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)  # reaps our own children, so no zombie is left
 
 
 def set_subreaper():
@@ -39,11 +52,13 @@ class Worker:
         self.s = settings
         self.ag = read_autograder(settings["autograder_root"])
         self.scratch = pathlib.Path(tempfile.mkdtemp(prefix="worker-", dir=settings["scratch"]))
+        self.kernels = self.scratch / "kernels"
+        self.kernels.mkdir()
         self.env = kernel_env(settings.get("cache_dir"), settings.get("xla_threads"))
         self.checks = self._import_checks() if self.ag.checks_module else None
         self.spare = None
         if settings.get("prestart", True):
-            self.spare = Kernel.start(self.env, self.scratch)
+            self.spare = Kernel.start(self.env, self.kernels)
 
     def _import_checks(self):
         sys.path.insert(0, str(self.ag.files))
@@ -79,9 +94,10 @@ class Worker:
 
     def _run(self, nb, extra, record):
         cells = student_cells(nb)
-        kernel, self.spare = self.spare or Kernel.start(self.env, self.scratch), None
-        private = pathlib.Path(tempfile.mkdtemp(prefix="private-", dir=self.scratch))
-        evidence = pathlib.Path(tempfile.mkdtemp(prefix="evidence-", dir=self.scratch))
+        kernel, self.spare = self.spare or Kernel.start(self.env, self.kernels), None
+        private = self.scratch / f"private-{secrets.token_hex(16)}"
+        # created only once the student's cells are done, under a name they never saw
+        evidence = self.scratch / f"evidence-{secrets.token_hex(16)}"
         try:
             workdir = pathlib.Path(kernel.workdir)
             for name, data in extra.items():
@@ -91,22 +107,22 @@ class Worker:
                 dest = workdir / path.relative_to(self.ag.files)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, dest)
-            for path in [*self.ag.hidden_files(), *self.ag.files.glob(f"{FORM_MODULE}.py")]:
-                shutil.copyfile(path, private / path.name)
-            tests = {}
-            for q, tf in self.ag.tests.items():
-                tests[q] = private / f"test_{q}.py"
-                shutil.copyfile(tf.path, tests[q])
+            tests = {q: private / f"test_{q}.py" for q in self.ag.tests}
             questions = list(self.checks.QUESTIONS) if self.checks else []
             extra_cells = grader_cells(questions, self.ag.checks_module, tests, private, evidence)
             ex = execute(kernel, cells, extra_cells, timeout=self.s["timeout"],
                          cell_timeout=self.s["cell_timeout"], memory_mb=self.s["memory_mb"],
-                         output_cap=self.s["output_cap"], on_start=self._prestart)
+                         output_cap=self.s["output_cap"], on_start=self._prestart,
+                         on_grader_start=lambda: self._reveal(private, tests, evidence))
             verdicts = judge(self.ag, self.checks, evidence, no_answers_reason=ex.killed)
+            expected = {f"{p}{q}.{x}" for q in self.ag.tests for p in ("", "claim-")
+                        for x in ("json", "npz")}
+            strangers = sorted(p.name for p in evidence.glob("*") if p.name not in expected)
         finally:
             kernel.kill()
+            self._reap()
             shutil.rmtree(private, ignore_errors=True)
-        shutil.rmtree(evidence, ignore_errors=True)
+            shutil.rmtree(evidence, ignore_errors=True)
         record["questions"] = {tf.name: _test_file_record(tf) for tf in verdicts.test_files}
         record["outcomes"] = verdicts.outcomes
         if ex.killed:
@@ -114,12 +130,29 @@ class Worker:
                                   for q, o in verdicts.outcomes.items() if o != "pass"} | \
                 {q: o for q, o in verdicts.outcomes.items() if o == "pass"}
         record["flags"] = verdicts.flags + _imitated_reports(ex.outputs, list(self.ag.tests))
+        if strangers:
+            record["flags"].append("files the grader did not write appeared among its "
+                                   f"evidence ({', '.join(strangers[:5])})")
         record["peak_mb"] = round(ex.peak_mb)
         record["status"] = _status(ex, record["flags"], tamper_checked=self.checks is not None)
 
+    def _reveal(self, private, tests, evidence):
+        """Create the hidden checks and the evidence folder once the student's cells are done."""
+        private.mkdir(mode=0o700)
+        for path in [*self.ag.hidden_files(), *self.ag.files.glob(f"{FORM_MODULE}.py")]:
+            shutil.copyfile(path, private / path.name)
+        for q, tf in self.ag.tests.items():
+            shutil.copyfile(tf.path, tests[q])
+        evidence.mkdir(mode=0o700)
+
+    def _reap(self):
+        """Kill every process left from this job: orphans of the kernel land here (subreaper)."""
+        keep = {p.pid for p in self.spare.tree()} if self.spare else set()
+        kill_and_reap(p for p in psutil.Process().children(recursive=True) if p.pid not in keep)
+
     def _prestart(self):
         if self.s.get("prestart", True) and self.spare is None:
-            self.spare = Kernel.start(self.env, self.scratch)
+            self.spare = Kernel.start(self.env, self.kernels)
 
     def close(self):
         if self.spare:
