@@ -251,3 +251,16 @@ def test_rerun_skips_graded_submissions_and_regrades_only_missing_ones(batch, la
     changed = {n for n in after if after[n] != before.get(n)}
     assert changed == {missing.name}
     assert (out / "final_grades.csv").read_text() == csv_before
+
+
+@pytest.mark.parametrize("name", ["solution.ipynb", "deleted.ipynb"])
+def test_scores_match_otter_run_and_gradescope_json_has_its_shape(batch, lab, name, tmp_path):
+    otter = pathlib.Path(sys.executable).with_name("otter")
+    subprocess.run([str(otter), "run", "-a", str(lab.autograder), "-o", str(tmp_path),
+                    str(batch["made"][name][0])], check=True, capture_output=True)
+    theirs = json.loads((tmp_path / "results.json").read_text())
+    ours = json.loads((batch["out"] / "gradescope-results" / f"{name[:-6]}.json").read_text())
+    assert [t["name"] for t in ours["tests"]] == [t["name"] for t in theirs["tests"]]
+    row = batch["df"].loc[name]
+    assert {t["name"]: t["score"] for t in theirs["tests"] if "score" in t} == \
+        {q: float(row[q]) for q in POINTS}
