@@ -164,7 +164,7 @@ def _zip(members):
     return buf.getvalue()
 
 
-SETTINGS = dict(workers=2, timeout=40, cell_timeout=5, memory_mb=1200, output_cap_mb=1)
+SETTINGS = dict(workers=2, timeout=60, cell_timeout=15, memory_mb=1200, output_cap_mb=1)
 
 
 @pytest.fixture(scope="module")
