@@ -1,0 +1,202 @@
+"""Grade a batch of submissions with a pool of trusted worker processes."""
+
+import hashlib
+import json
+import os
+import pathlib
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+from tqdm import tqdm
+
+from . import report
+from .autograder import open_autograder, shipped_autograder
+from .submissions import collect
+from .worker import kill_and_reap, set_subreaper
+
+GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its record
+
+
+def grade(*, paths, output_dir="grades", workers=None, timeout=600, cell_timeout=300,
+          memory_mb=4096, assignment=None, autograder=None, force=False, output_cap_mb=10,
+          prestart=True, compile_cache=True, xla_threads=None, show=True):
+    """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran."""
+    started = time.time()
+    out = pathlib.Path(output_dir)
+    subs = collect(paths, exclude=[out])
+    if not subs:
+        print("jaxlab grade: no .ipynb or .zip submissions found", file=sys.stderr)
+        return False
+    zip_path = autograder or shipped_autograder(assignment, [s.path.name for s in subs])
+    state = out / ".jaxlab"
+    (state / "records").mkdir(parents=True, exist_ok=True)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-grade-"))
+    set_subreaper()
+    try:
+        ag = open_autograder(zip_path, scratch / "autograder")
+        digests = {s.file: s.digest() for s in subs}
+        records = {} if force else _previous(state / "records", digests)
+        pending = [s for s in subs if s.file not in records]
+        settings = {"autograder_root": str(ag.root), "fingerprint": ag.fingerprint(),
+                    "timeout": timeout, "cell_timeout": cell_timeout, "memory_mb": memory_mb,
+                    "output_cap": output_cap_mb * 2**20, "scratch": str(scratch),
+                    "cache_dir": str(state / "jax-cache") if compile_cache else None,
+                    "prestart": prestart, "xla_threads": xla_threads}
+        jobs = queue.Queue()
+        for s in pending:
+            jobs.put({"submission": str(s.path), "file": s.file, "sha256": digests[s.file],
+                      "record": str(scratch / f"{_key(s.file)}.json")})
+        done = queue.Queue()
+        n = max(1, min(workers or os.cpu_count() or 1, len(pending)))
+        settings["log"] = str(state / "workers.log")
+        slots = [threading.Thread(target=_slot, args=(settings, jobs, done), daemon=True)
+                 for _ in range(n if pending else 0)]
+        for t in slots:
+            t.start()
+        with tqdm(total=len(pending), unit="nb", desc="grading", disable=not show) as bar:
+            for _ in pending:
+                record = done.get()
+                records[record["file"]] = record
+                (state / "records" / f"{_key(record['file'])}.json").write_text(json.dumps(record))
+                report.write_submission(out, record, ag)
+                report.write_csv(out, _ordered(records, subs), ag)
+                bar.update()
+        for t in slots:
+            t.join()
+        df = report.write_csv(out, _ordered(records, subs), ag)
+        report.plot_distribution(out, df, ag)
+        if show:
+            report.print_table(report.question_table(_ordered(records, subs), ag))
+        return True
+    finally:
+        _sweep(started)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _key(file):
+    return hashlib.sha256(file.encode()).hexdigest()[:24]
+
+
+def _ordered(records, subs):
+    return [records[s.file] for s in subs if s.file in records]
+
+
+def _previous(folder, digests):
+    records = {}
+    for path in folder.glob("*.json"):
+        try:
+            r = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if digests.get(r.get("file")) == r.get("sha256"):
+            records[r["file"]] = r
+    return records
+
+
+def _worker_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PJRT_NPROC="16")
+    return env
+
+
+class _Process:
+    """One worker subprocess; its stdout lines arrive on a queue so reads can time out."""
+
+    def __init__(self, settings):
+        with open(settings["log"], "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxlab.grade.worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env(),
+                start_new_session=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.send(settings)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def send(self, obj):
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def wait_done(self, seconds):
+        try:
+            return self.lines.get(timeout=seconds) == "done"
+        except queue.Empty:
+            return False
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+
+    def kill(self):
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
+        for p in [*tree, self.proc]:
+            try:
+                p.kill()
+            except (psutil.Error, OSError):
+                pass
+        self.proc.wait()
+
+
+def _slot(settings, jobs, done):
+    worker = None
+    try:
+        while True:
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                return
+            worker = worker or _Process(settings)
+            try:
+                worker.send(job)
+                ok = worker.wait_done(settings["timeout"] + GRACE_S)
+            except OSError:
+                ok = False
+            record = _read_record(job) if ok else None
+            if record is None:
+                worker.kill()
+                worker = None
+                record = {"file": job["file"], "sha256": job["sha256"], "catastrophic": True,
+                          "status": "the grading process for this submission died or hung",
+                          "flags": [], "questions": {}, "outcomes": {}}
+            done.put(record)
+    finally:
+        if worker:
+            worker.close()
+
+
+def _read_record(job):
+    try:
+        record = json.loads(pathlib.Path(job["record"]).read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("file") != job["file"] or record.get("sha256") != job["sha256"]:
+        return None
+    return record
+
+
+def _sweep(since):
+    """Kill any process this batch started that is still alive (none should be)."""
+    def ours(p):
+        try:
+            return p.create_time() >= since - 1
+        except psutil.Error:
+            return False
+
+    kill_and_reap(p for p in psutil.Process().children(recursive=True) if ours(p))
