@@ -156,8 +156,7 @@ def kernel_env(cache_dir=None, xla_threads=None):
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     if xla_threads:
-        env["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false " \
-                           f"intra_op_parallelism_threads={xla_threads}"
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
         env["OMP_NUM_THREADS"] = str(xla_threads)
     return env
 
