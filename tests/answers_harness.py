@@ -214,13 +214,17 @@ class Release:
                     (workdir / name).write_bytes(zf.read(name))
         return workdir
 
-    def notebook_with(self, answer):
-        """The solution notebook (outputs cleared) with ``answer`` in its question's cell."""
+    def notebook_with(self, answers):
+        """The solution notebook (outputs cleared) with each answer in its question's cell."""
         nb = nbformat.read(self.solution, as_version=4)
         for cell in nb.cells:
             if cell.cell_type == "code":
                 cell.outputs, cell.execution_count = [], None
-        nb.cells[self.answer_cell[answer.question]].source = answer.cell_source()
+        questions = [a.question for a in answers]
+        if len(questions) != len(set(questions)):
+            raise ValueError("one answer per question")
+        for answer in answers:
+            nb.cells[self.answer_cell[answer.question]].source = answer.cell_source()
         return nb
 
 

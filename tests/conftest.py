@@ -29,6 +29,28 @@ def lab3():
     return release_paths("lab3-parallelism")
 
 
+@pytest.fixture(scope="session")
+def graded(tmp_path_factory):
+    """grade(answer) -> Verdict from the answer harness, one kernel per lab, each answer once."""
+    import answers_harness
+
+    cache, harnesses = {}, {}
+
+    def verdict(answer):
+        if answer.id not in cache:
+            lab = answer.lab
+            if lab not in harnesses:
+                harnesses[lab] = answers_harness.LabHarness(lab, tmp_path_factory.mktemp(lab))
+            cache[answer.id] = harnesses[lab].grade(answer)
+            answers_harness.GRADED.append(cache[answer.id])
+        return cache[answer.id]
+
+    verdict.harnesses = harnesses
+    yield verdict
+    for h in harnesses.values():
+        h.close()
+
+
 def run_python(code, timeout=300):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})

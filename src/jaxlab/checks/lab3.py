@@ -287,7 +287,17 @@ def _same_mesh(name, ev, ref_name, ref_ev):
               "put them on the same mesh.")
 
 
-def _replicated(name, ev, ref_name, ref_ev):
+def _result_on_mesh(name, ev, ref_name, how):
+    """A computed result sits on a mesh; else say how to compute it from the placed arrays."""
+    form.expect_array(name, ev)
+    if ev["sharding"]["kind"] != "NamedSharding":
+        _fail(f"`{name}` lives {form.describe_sharding(ev['sharding'])}; expected it on the "
+              f"mesh of `{ref_name}`: {how}.")
+
+
+def _replicated(name, ev, ref_name, ref_ev, how=None):
+    if how:
+        _result_on_mesh(name, ev, ref_name, how)
     form.expect_on_mesh(name, ev)
     _same_mesh(name, ev, ref_name, ref_ev)
     _laid_out(name, ev, (), "it replicated on every device of the mesh (spec P())")
@@ -456,7 +466,8 @@ def _data_parallel_layer(ev, suffix, axis_type):
         _replicated(name, ev[name], xn, ev[xn])
     form.expect_array(on, ev[on], shape=(128, 2))
     _close(on, ev[on], _softmax_layer(x, W, b), f"layer({xn}, {Wn}, {bn})")
-    form.expect_on_mesh(on, ev[on])
+    _result_on_mesh(on, ev[on], xn, f"compute it as layer({xn}, {Wn}, {bn}) from the placed "
+                    "arrays")
     _same_mesh(on, ev[on], xn, ev[xn])
     _batch_split(on, ev[on], axis)
     return axis
@@ -496,14 +507,19 @@ def _q6(ev):
 def _q7(ev):
     form.expect_callable("layer_manual", ev["layer_manual"])
     om = ev["out_man"]
-    form.expect_on_mesh("out_man", om, shape=(128, 2))
+    form.expect_array("out_man", om, shape=(128, 2))
+    _result_on_mesh("out_man", om, "layer_manual",
+                    "compute it as layer_manual(x, W, b), whose shard_map puts the blocks "
+                    "together on its mesh")
     # the task names no axis type: shard_map works on Auto and Explicit meshes alike
     axis = _one_d_mesh("out_man", om["sharding"], None)
     x, W, b = _layer_data()
     _close("out_man", om, _softmax_layer(x, W, b), "layer(x, W, b)")
     _batch_split("out_man", om, axis)
     if "jaxpr_error" in ev:
-        _fail(f"`layer_manual` could not be traced on new data: {ev['jaxpr_error']}")
+        _fail(f"`layer_manual` could not be traced on new data (x of shape ({FRESH_ROWS}, 10)): "
+              f"{ev['jaxpr_error']}; it should work for any batch that divides evenly over "
+              "the mesh.")
     if "shard_map" not in ev.get("jaxpr", ""):
         _fail("`layer_manual` gives the right numbers but does not go through jax.shard_map; "
               "this task asks you to write the per-device computation with jax.shard_map.")
@@ -523,7 +539,7 @@ def _params_pairs(name, ev):
     return pairs
 
 
-def _check_params(name, ev, reference, what, ref_name, ref_ev, rtol=RTOL, atol=ATOL):
+def _check_params(name, ev, reference, what, ref_name, ref_ev, rtol=RTOL, atol=ATOL, how=None):
     pairs = _params_pairs(name, ev)
     if len(pairs) != len(reference):
         _fail(f"`{name}` has {len(pairs)} layers; expected {len(reference)} (W, b) pairs.")
@@ -531,7 +547,7 @@ def _check_params(name, ev, reference, what, ref_name, ref_ev, rtol=RTOL, atol=A
         for j, (part, expected) in enumerate(zip(pair, ref)):
             label = f"{name}[{i}][{j}]"
             _close(label, part, expected, what, rtol=rtol, atol=atol)
-            _replicated(label, part, ref_name, ref_ev)
+            _replicated(label, part, ref_name, ref_ev, how)
 
 
 def _q8(ev):
@@ -559,7 +575,9 @@ def _q8(ev):
     _check_params("params_trained_sharded", ev["params_trained_sharded"], reference,
                   "the parameters after `train(params, x_train, y_train)` (100 steps, "
                   "step_size 1e-3), as on one device", "x_train_sharded", xs,
-                  rtol=TRAIN_RTOL, atol=TRAIN_ATOL)
+                  rtol=TRAIN_RTOL, atol=TRAIN_ATOL,
+                  how="train `params_replicated` on `x_train_sharded` and `y_train_sharded`, "
+                      "and the result stays replicated on their mesh")
 
 
 def _q9(ev):
