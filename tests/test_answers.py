@@ -101,3 +101,13 @@ def test_wrong_answer_gets_a_message_in_the_students_terms(answer, graded):
             f"the message names none of {sorted(names)}:\n{text}")
         assert EXPECTATION.search(text), f"says nothing about what was expected:\n{text}"
         assert not INTERNAL.search(text), f"the message shows hidden test internals:\n{text}"
+
+
+@pytest.mark.parametrize("lab", harness.labs())
+def test_kernel_state_is_back_to_the_solution_after_the_whole_corpus(lab, graded):
+    for answer in harness.load_answers(lab):
+        graded(answer)
+    h = graded.harnesses[lab]
+    results = h.run_tests(h.release.questions)
+    scores = {q: (r["score"], r["possible"]) for q, r in results.items()}
+    assert all(s == p > 0 for s, p in scores.values()), scores
