@@ -369,7 +369,7 @@ class LabHarness:
         solution_cell = next(c for c in rel.cells if c.index == k)
         written = set(writes) | solution_cell.writes
         touched = set()
-        plan = [(k, source, reads, written)]
+        plan = [(k, source, reads, set(written))]  # a copy: `written` grows below
         for cell in rel.cells:
             if cell.index > k and cell.reads & written:
                 plan.append((cell.index, cell.source, cell.reads, cell.writes))
