@@ -29,6 +29,44 @@ def lab3():
     return release_paths("lab3-parallelism")
 
 
+@pytest.fixture(scope="session")
+def graded(tmp_path_factory):
+    """grade(answer) -> Verdict from the answer harness, one kernel per lab, each answer once."""
+    import answers_harness
+
+    cache, harnesses = {}, {}
+
+    def verdict(answer):
+        if answer.id not in cache:
+            lab = answer.lab
+            if lab not in harnesses:
+                harnesses[lab] = answers_harness.LabHarness(lab, tmp_path_factory.mktemp(lab))
+            cache[answer.id] = harnesses[lab].grade(answer)
+            answers_harness.GRADED.append(cache[answer.id])
+        return cache[answer.id]
+
+    verdict.harnesses = harnesses
+    yield verdict
+    for h in harnesses.values():
+        h.close()
+
+
 def run_python(code, timeout=300):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Print the answer corpus's confusion table and keep a copy under pytest's tmp dir."""
+    harness = sys.modules.get("answers_harness")
+    if harness is None or not harness.GRADED:
+        return
+    lines = harness.confusion_table(harness.GRADED)
+    terminalreporter.section("answer corpus: confusion table")
+    for line in lines:
+        terminalreporter.write_line(line)
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None:
+        path = factory.getbasetemp() / "confusion_table.txt"
+        path.write_text("\n".join(lines) + "\n")
+        terminalreporter.write_line(f"(written to {path})")

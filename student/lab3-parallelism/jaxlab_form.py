@@ -232,8 +232,9 @@ def expect_on_mesh(name, ev, shape=None):
     expect_array(name, ev, shape)
     if ev["sharding"]["kind"] != "NamedSharding":
         raise AssertionError(
-            f"`{name}` is not placed on a mesh: it lives {describe_sharding(ev['sharding'])}. "
-            "Place it with jax.device_put(..., NamedSharding(mesh, P(...))).")
+            f"`{name}` is not placed on a mesh: it lives {describe_sharding(ev['sharding'])}; "
+            "expected it on the devices of a mesh. Place it with "
+            "jax.device_put(..., NamedSharding(mesh, P(...))).")
 
 
 def expect_callable(name, ev):

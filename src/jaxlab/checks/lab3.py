@@ -99,6 +99,9 @@ def _probe_explicit(values):
             and len(xe.sharding.mesh.axis_names) == 1:
         mesh = xe.sharding.mesh
         xf, Wf, bf = _fresh_layer_inputs()
+        if hasattr(fn, "clear_cache"):
+            # a trace cached from an earlier call with the same shapes would print nothing
+            fn.clear_cache()
         args = (jax.device_put(xf, NamedSharding(mesh, P(mesh.axis_names[0]))),
                 jax.device_put(Wf, NamedSharding(mesh, P())),
                 jax.device_put(bf, NamedSharding(mesh, P())))
@@ -256,11 +259,12 @@ def _mesh_words(sev):
 
 
 def _one_d_mesh(name, sev, axis_type, sizes=MESH_SIZES):
-    """The array sits on a 1-D mesh of one of ``sizes`` devices with axes of ``axis_type``."""
+    """The array sits on a 1-D mesh of one of ``sizes`` devices with axes of ``axis_type``
+    (any type when ``axis_type`` is None)."""
     if len(sev["mesh_shape"]) != 1 or sev["mesh_shape"][0] not in sizes:
         wanted = " or ".join(str(s) for s in sizes)
         _fail(f"`{name}` lives on {_mesh_words(sev)}; expected a 1-D mesh of {wanted} devices.")
-    if sev["axis_types"][0] != axis_type:
+    if axis_type is not None and sev["axis_types"][0] != axis_type:
         _fail(f"the mesh axis '{sev['axis_names'][0]}' of `{name}` is {sev['axis_types'][0]}; "
               f"expected an {axis_type} axis (pass axis_types=(AxisType.{axis_type},) "
               "to jax.make_mesh).")
@@ -283,7 +287,17 @@ def _same_mesh(name, ev, ref_name, ref_ev):
               "put them on the same mesh.")
 
 
-def _replicated(name, ev, ref_name, ref_ev):
+def _result_on_mesh(name, ev, ref_name, how):
+    """A computed result sits on a mesh; else say how to compute it from the placed arrays."""
+    form.expect_array(name, ev)
+    if ev["sharding"]["kind"] != "NamedSharding":
+        _fail(f"`{name}` lives {form.describe_sharding(ev['sharding'])}; expected it on the "
+              f"mesh of `{ref_name}`: {how}.")
+
+
+def _replicated(name, ev, ref_name, ref_ev, how=None):
+    if how:
+        _result_on_mesh(name, ev, ref_name, how)
     form.expect_on_mesh(name, ev)
     _same_mesh(name, ev, ref_name, ref_ev)
     _laid_out(name, ev, (), "it replicated on every device of the mesh (spec P())")
@@ -452,7 +466,8 @@ def _data_parallel_layer(ev, suffix, axis_type):
         _replicated(name, ev[name], xn, ev[xn])
     form.expect_array(on, ev[on], shape=(128, 2))
     _close(on, ev[on], _softmax_layer(x, W, b), f"layer({xn}, {Wn}, {bn})")
-    form.expect_on_mesh(on, ev[on])
+    _result_on_mesh(on, ev[on], xn, f"compute it as layer({xn}, {Wn}, {bn}) from the placed "
+                    "arrays")
     _same_mesh(on, ev[on], xn, ev[xn])
     _batch_split(on, ev[on], axis)
     return axis
@@ -492,13 +507,19 @@ def _q6(ev):
 def _q7(ev):
     form.expect_callable("layer_manual", ev["layer_manual"])
     om = ev["out_man"]
-    form.expect_on_mesh("out_man", om, shape=(128, 2))
-    axis = _one_d_mesh("out_man", om["sharding"], "Auto")
+    form.expect_array("out_man", om, shape=(128, 2))
+    _result_on_mesh("out_man", om, "layer_manual",
+                    "compute it as layer_manual(x, W, b), whose shard_map puts the blocks "
+                    "together on its mesh")
+    # the task names no axis type: shard_map works on Auto and Explicit meshes alike
+    axis = _one_d_mesh("out_man", om["sharding"], None)
     x, W, b = _layer_data()
     _close("out_man", om, _softmax_layer(x, W, b), "layer(x, W, b)")
     _batch_split("out_man", om, axis)
     if "jaxpr_error" in ev:
-        _fail(f"`layer_manual` could not be traced on new data: {ev['jaxpr_error']}")
+        _fail(f"`layer_manual` could not be traced on new data (x of shape ({FRESH_ROWS}, 10)): "
+              f"{ev['jaxpr_error']}; it should work for any batch that divides evenly over "
+              "the mesh.")
     if "shard_map" not in ev.get("jaxpr", ""):
         _fail("`layer_manual` gives the right numbers but does not go through jax.shard_map; "
               "this task asks you to write the per-device computation with jax.shard_map.")
@@ -518,7 +539,7 @@ def _params_pairs(name, ev):
     return pairs
 
 
-def _check_params(name, ev, reference, what, ref_name, ref_ev, rtol=RTOL, atol=ATOL):
+def _check_params(name, ev, reference, what, ref_name, ref_ev, rtol=RTOL, atol=ATOL, how=None):
     pairs = _params_pairs(name, ev)
     if len(pairs) != len(reference):
         _fail(f"`{name}` has {len(pairs)} layers; expected {len(reference)} (W, b) pairs.")
@@ -526,7 +547,7 @@ def _check_params(name, ev, reference, what, ref_name, ref_ev, rtol=RTOL, atol=A
         for j, (part, expected) in enumerate(zip(pair, ref)):
             label = f"{name}[{i}][{j}]"
             _close(label, part, expected, what, rtol=rtol, atol=atol)
-            _replicated(label, part, ref_name, ref_ev)
+            _replicated(label, part, ref_name, ref_ev, how)
 
 
 def _q8(ev):
@@ -554,7 +575,9 @@ def _q8(ev):
     _check_params("params_trained_sharded", ev["params_trained_sharded"], reference,
                   "the parameters after `train(params, x_train, y_train)` (100 steps, "
                   "step_size 1e-3), as on one device", "x_train_sharded", xs,
-                  rtol=TRAIN_RTOL, atol=TRAIN_ATOL)
+                  rtol=TRAIN_RTOL, atol=TRAIN_ATOL,
+                  how="train `params_replicated` on `x_train_sharded` and `y_train_sharded`, "
+                      "and the result stays replicated on their mesh")
 
 
 def _q9(ev):

@@ -1,0 +1,428 @@
+"""Grade the answer corpus (tests/answers/<lab>/<question>.yaml) the way otter grades a notebook.
+
+One kernel per lab runs the solution notebook once, as otter's grading run does (same cells,
+same globals, the autograder zip's support files beside it, PJRT_NPROC=16 in the kernel's
+environment). Otter's own init, ``grader.check`` and export cells are skipped: the harness runs
+the zip's test file for each question itself, with otter's ``Checker.check``, which is what
+those cells call in grading mode.
+
+Before every code cell the kernel keeps a shallow copy of its globals, so the notebook's state
+before any cell, and after the last one, can be put back without running anything. Grading an
+answer at cell k then replays what a notebook with that answer would do:
+
+* the answer code runs in the state the notebook had before cell k;
+* every later cell that reads a name the answer (or the solution's cell) assigns is run again,
+  transitively (names read inside functions count, so a function defined from a changed name
+  is defined again); each of these cells sees, for the names no re-run cell assigned, the
+  values they had at that point of the original run, so a cell that fails half way leaves the
+  same names behind as in a full run;
+* names whose last writer in the notebook is a later cell that did not run again get that
+  cell's value back;
+* then the question's test file runs against the globals, and so does the test file of every
+  other question that reads a name the replay assigned (the others read the very objects the
+  solution run left, whose verdicts were taken once after that run);
+* finally every name the replay touched gets its value from the end of the solution run.
+
+``test_answers_faithfulness`` grades a sample of answers through the full ``otter run`` path
+and checks the verdicts agree.
+"""
+
+import ast
+import dataclasses
+import json
+import os
+import pathlib
+import queue
+import shutil
+import zipfile
+
+import nbformat
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ANSWERS = ROOT / "tests" / "answers"
+PROMPT = "### Your code here"
+GRADED = []  # every Verdict of this test session, for the confusion table
+MARK = "@@corpus@@"
+
+
+# --------------------------------------------------------------------------- the corpus
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    lab: str
+    question: str
+    name: str
+    why: str
+    code: str
+    correct: bool
+    message: str | None = None
+    other_questions_lose: tuple = ()
+
+    @property
+    def id(self):
+        return f"{self.lab}/{self.question}/{'correct' if self.correct else 'wrong'}/{self.name}"
+
+    def cell_source(self):
+        return f"{PROMPT}\n{self.code.rstrip()}\n"
+
+
+def labs():
+    """Labs with an answer corpus and a release to grade it against."""
+    found = []
+    for folder in sorted(p for p in ANSWERS.iterdir() if p.is_dir()) if ANSWERS.exists() else []:
+        lab = folder.name
+        if (ROOT / "student" / lab / f"{lab}.ipynb").exists() and \
+                (ROOT / "autograder" / f"{lab}-autograder.zip").exists():
+            found.append(lab)
+    return found
+
+
+def load_answers(lab):
+    answers = []
+    for path in sorted((ANSWERS / lab).glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        unknown = set(data) - {"correct", "wrong"}
+        if unknown:
+            raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}")
+        for kind in ("correct", "wrong"):
+            for entry in data.get(kind) or []:
+                answers.append(Answer(
+                    lab=lab, question=path.stem, name=entry["name"], why=entry["why"],
+                    code=entry["code"], correct=kind == "correct",
+                    message=entry.get("message"),
+                    other_questions_lose=tuple(entry.get("other_questions_lose", ()))))
+    return answers
+
+
+# --------------------------------------------------------------------------- notebook analysis
+def _python(source):
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager().transform_cell(source)
+
+
+def _targets(node, out):
+    if isinstance(node, ast.Name):
+        out.add(node.id)
+    elif isinstance(node, (ast.Tuple, ast.List)):
+        for elt in node.elts:
+            _targets(elt, out)
+    elif isinstance(node, ast.Starred):
+        _targets(node.value, out)
+
+
+def _module_writes(body, out):
+    """Names a list of statements binds at module level (not inside functions or classes)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                out.add((alias.asname or alias.name).split(".")[0])
+            continue
+        for child in ast.walk(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                  ast.Lambda)):
+                continue
+            if isinstance(child, (ast.Assign,)):
+                for t in child.targets:
+                    _targets(t, out)
+            elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)):
+                _targets(child.target, out)
+            elif isinstance(child, ast.withitem) and child.optional_vars is not None:
+                _targets(child.optional_vars, out)
+            elif isinstance(child, ast.NamedExpr):
+                _targets(child.target, out)
+            elif isinstance(child, ast.Delete):
+                for t in child.targets:
+                    _targets(t, out)
+        for child in ast.walk(node):  # nested defs inside if/with/try still bind names
+            if child is not node and isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                out.add(child.name)
+    return out
+
+
+def reads_writes(source):
+    """(names read anywhere in the cell, names it binds at module level)."""
+    try:
+        tree = ast.parse(_python(source))
+    except SyntaxError:
+        return set(), set()
+    reads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return reads, _module_writes(tree.body, set())
+
+
+def _is_otter_cell(source):
+    return "grader.check(" in source or "grader.export(" in source or "otter.Notebook(" in source
+
+
+@dataclasses.dataclass
+class Cell:
+    index: int
+    source: str
+    reads: set
+    writes: set
+
+
+class Release:
+    """The student notebook, solution notebook and autograder zip of one lab."""
+
+    def __init__(self, lab):
+        self.lab = lab
+        self.student = ROOT / "student" / lab / f"{lab}.ipynb"
+        self.solution = ROOT / "solutions" / lab / f"{lab}.ipynb"
+        self.autograder = ROOT / "autograder" / f"{lab}-autograder.zip"
+        self.solution_nb = nbformat.read(self.solution, as_version=4)
+        self.student_nb = nbformat.read(self.student, as_version=4)
+        self.cells = []  # code cells the kernel runs, in order
+        self.answer_cell = {}  # question -> index into self.solution_nb.cells
+        for i, cell in enumerate(self.solution_nb.cells):
+            if cell.cell_type != "code":
+                continue
+            nxt = self.solution_nb.cells[i + 1] if i + 1 < len(self.solution_nb.cells) else None
+            if nxt is not None and nxt.cell_type == "code" and nxt.source.startswith("grader.check("):
+                self.answer_cell[nxt.source.split('"')[1]] = i
+            if not _is_otter_cell(cell.source):
+                self.cells.append(Cell(i, cell.source, *reads_writes(cell.source)))
+        self.graded_names = {}  # question -> names its test functions read from the notebook
+        with zipfile.ZipFile(self.autograder) as zf:
+            for n in sorted(zf.namelist()):
+                if n.startswith("tests/") and n.endswith(".py"):
+                    tree = ast.parse(zf.read(n).decode())
+                    self.graded_names[pathlib.Path(n).stem] = {
+                        a.arg for f in tree.body if isinstance(f, ast.FunctionDef)
+                        for a in f.args.args}
+        self.questions = sorted(self.graded_names)
+
+    def blank(self, question):
+        """The student notebook's answer cell for ``question`` (what a blank answer submits)."""
+        return self.student_nb.cells[self.answer_cell[question]].source
+
+    def stage(self, workdir):
+        """A folder laid out like otter's grading folder: notebook, files/, tests/."""
+        workdir = pathlib.Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for extra in self.student.parent.iterdir():
+            shutil.copy(extra, workdir / extra.name)
+        with zipfile.ZipFile(self.autograder) as zf:
+            for name in zf.namelist():
+                if name.startswith("files/"):
+                    (workdir / pathlib.Path(name).name).write_bytes(zf.read(name))
+                elif name.startswith("tests/"):
+                    (workdir / "tests").mkdir(exist_ok=True)
+                    (workdir / name).write_bytes(zf.read(name))
+        return workdir
+
+    def notebook_with(self, answers):
+        """The solution notebook (outputs cleared) with each answer in its question's cell."""
+        nb = nbformat.read(self.solution, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
+        questions = [a.question for a in answers]
+        if len(questions) != len(set(questions)):
+            raise ValueError("one answer per question")
+        for answer in answers:
+            nb.cells[self.answer_cell[answer.question]].source = answer.cell_source()
+        return nb
+
+
+# --------------------------------------------------------------------------- the kernel
+KERNEL_HELPERS = r'''
+def __corpus_helpers():
+    import json
+    snaps = {}
+    missing = object()
+
+    def snap(key):
+        snaps[key] = dict(globals())
+
+    def put(names, key):
+        g, s = globals(), snaps[key]
+        for n in names:
+            if n in s:
+                g[n] = s[n]
+            else:
+                g.pop(n, None)
+
+    def test(path):
+        from otter.execute import Checker
+        from otter.nbmeta_config import NBMetadataConfig
+        tf = Checker.check(path, NBMetadataConfig(), global_env=globals())
+        return {"name": tf.name, "score": tf.score, "possible": tf.possible,
+                "cases": [{"name": r.test_case.name, "hidden": r.test_case.hidden,
+                           "passed": r.passed, "message": r.message}
+                          for r in tf.test_case_results]}
+
+    def tests(paths):
+        print("@@corpus@@" + json.dumps([test(p) for p in paths]))
+
+    return snap, put, tests
+
+__corpus_snap, __corpus_put, __corpus_tests = __corpus_helpers()
+del __corpus_helpers
+'''
+
+
+class KernelError(RuntimeError):
+    pass
+
+
+class Kernel:
+    def __init__(self, cwd):
+        from jupyter_client.manager import KernelManager
+
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+        env["PJRT_NPROC"] = "16"
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=str(cwd), env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def run(self, code, timeout=300):
+        """Run ``code``; returns (stdout, error text or None)."""
+        out, error = [], []
+
+        def hook(msg):
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream" and content.get("name") == "stdout":
+                out.append(content["text"])
+            elif kind == "error":
+                error.append(f"{content['ename']}: {content['evalue']}")
+
+        try:
+            reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook,
+                                                allow_stdin=False, store_history=False)
+        except (TimeoutError, queue.Empty):
+            self.km.interrupt_kernel()
+            raise KernelError(f"timed out after {timeout}s running:\n{code[:300]}")
+        if reply["content"]["status"] != "ok" and not error:
+            error.append(reply["content"].get("ename", "error"))
+        return "".join(out), (error[0] if error else None)
+
+    def shutdown(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+# --------------------------------------------------------------------------- grading
+@dataclasses.dataclass
+class Verdict:
+    answer: Answer
+    results: dict  # question -> otter results of its test file after the replay
+    cell_errors: list  # (cell index, error) of the answer cell and re-run cells
+
+    @property
+    def own(self):
+        return self.results[self.answer.question]
+
+    @property
+    def full_marks(self):
+        return self.own["score"] == self.own["possible"]
+
+    def failure_messages(self):
+        return [c["message"] for c in self.own["cases"] if not c["passed"]]
+
+    def scores(self):
+        return {q: (r["score"], r["possible"]) for q, r in self.results.items()}
+
+
+class LabHarness:
+    """One kernel holding the solution run of ``lab``; grades answers by partial replay."""
+
+    def __init__(self, lab, workdir):
+        self.release = Release(lab)
+        self.workdir = self.release.stage(workdir)
+        self.kernel = Kernel(self.workdir)
+        self.kernel.run(KERNEL_HELPERS)
+        self.kernel.run(f"import sys; sys.path.append({str(self.workdir)!r})")
+        self.solution_errors = []
+        for cell in self.release.cells:
+            self.kernel.run(f"__corpus_snap({cell.index})")
+            _, err = self.kernel.run(cell.source)
+            if err:
+                self.solution_errors.append((cell.index, err))
+        self.kernel.run("__corpus_snap('final')")
+        self.solution_results = self.run_tests(self.release.questions)
+        self.last_writer = {}
+        for cell in self.release.cells:
+            for name in cell.writes:
+                self.last_writer[name] = cell.index
+
+    def test_paths(self, questions):
+        return [str(self.workdir / "tests" / f"{q}.py") for q in questions]
+
+    def run_tests(self, questions):
+        out, err = self.kernel.run(f"__corpus_tests({self.test_paths(questions)!r})")
+        line = [ln for ln in out.splitlines() if ln.startswith(MARK)]
+        if err or not line:
+            raise KernelError(f"running the tests failed: {err}\n{out[-2000:]}")
+        return {r["name"]: r for r in json.loads(line[-1][len(MARK):])}
+
+    def grade(self, answer):
+        rel = self.release
+        k = rel.answer_cell[answer.question]
+        source = answer.cell_source()
+        reads, writes = reads_writes(source)
+        solution_cell = next(c for c in rel.cells if c.index == k)
+        written = set(writes) | solution_cell.writes
+        touched = set()
+        plan = [(k, source, reads, set(written))]  # a copy: `written` grows below
+        for cell in rel.cells:
+            if cell.index > k and cell.reads & written:
+                plan.append((cell.index, cell.source, cell.reads, cell.writes))
+                written |= cell.writes
+        rerun = {index for index, *_ in plan}
+        errors, done = [], set()
+        try:
+            for index, src, cell_reads, cell_writes in plan:
+                # names no replayed cell has assigned yet hold what the original run had here
+                stale = sorted((cell_reads | cell_writes | (set(writes) if index == k else set()))
+                               - done)
+                touched |= set(stale)
+                self.kernel.run(f"__corpus_put({stale!r}, {index})")
+                _, err = self.kernel.run(src)
+                if err:
+                    errors.append((index, err))
+                done |= cell_writes | (set(writes) if index == k else set())
+            # a name that a later, not replayed cell assigns last ends with that cell's value
+            later = sorted(n for n in done if self.last_writer.get(n, -1) > k
+                           and self.last_writer[n] not in rerun)
+            self.kernel.run(f"__corpus_put({later!r}, 'final')")
+            # names only read were put back to earlier values: the rest of the notebook ran too
+            self.kernel.run(f"__corpus_put({sorted(touched - done)!r}, 'final')")
+            touched |= done
+            # a question whose graded names all still hold the solution's objects keeps the
+            # verdict it had on the solution; every other question is graded again
+            questions = [q for q in rel.questions
+                         if q == answer.question or rel.graded_names[q] & done]
+            results = {**self.solution_results, **self.run_tests(questions)}
+        finally:
+            self.kernel.run(f"__corpus_put({sorted(touched)!r}, 'final')")
+        return Verdict(answer, results, errors)
+
+    def close(self):
+        self.kernel.shutdown()
+
+
+# --------------------------------------------------------------------------- reporting
+def confusion_table(verdicts):
+    """Lines of a table: per question, correct answers accepted/rejected, wrong rejected/accepted."""
+    rows = {}
+    for v in verdicts:
+        key = (v.answer.lab, v.answer.question)
+        row = rows.setdefault(key, [0, 0, 0, 0])
+        if v.answer.correct:
+            row[0 if v.full_marks else 1] += 1
+        else:
+            row[3 if v.full_marks else 2] += 1
+    head = f"{'lab':<20} {'question':<22} {'correct ok':>10} {'correct REJ':>11} " \
+           f"{'wrong ok':>8} {'wrong ACC':>9}"
+    lines = [head, "-" * len(head)]
+    for (lab, q), r in sorted(rows.items()):
+        lines.append(f"{lab:<20} {q:<22} {r[0]:>10} {r[1]:>11} {r[2]:>8} {r[3]:>9}")
+    total = [sum(r[i] for r in rows.values()) for i in range(4)]
+    lines.append(f"{'total':<43} {total[0]:>10} {total[1]:>11} {total[2]:>8} {total[3]:>9}")
+    return lines

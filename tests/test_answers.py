@@ -1,0 +1,113 @@
+"""The answer corpus (tests/answers/) reaches its expected verdicts under the shipped tests.
+
+Every answer is graded by ``answers_harness`` with the autograder zip's own test files in a
+kernel holding the solution run of the student notebook; ``test_answers_faithfulness`` checks
+a sample against the full ``otter run`` path.
+"""
+
+import re
+
+import pytest
+
+import answers_harness as harness
+
+ANSWERS = [a for lab in harness.labs() for a in harness.load_answers(lab)]
+WRONG = [a for a in ANSWERS if not a.correct]
+MIN_CORRECT, MIN_WRONG = 3, 4
+
+
+def _ids(answers):
+    return [a.id for a in answers]
+
+
+@pytest.mark.parametrize("lab", harness.labs())
+def test_every_graded_question_has_enough_correct_and_wrong_answers(lab):
+    release = harness.Release(lab)
+    answers = harness.load_answers(lab)
+    short = {}
+    for q in release.questions:
+        n_correct = sum(a.correct for a in answers if a.question == q)
+        n_wrong = sum(not a.correct for a in answers if a.question == q)
+        if n_correct < MIN_CORRECT or n_wrong < MIN_WRONG:
+            short[q] = (n_correct, n_wrong)
+    assert short == {}, f"(correct, wrong) answers per question, want >= (3, 4): {short}"
+    assert {a.question for a in answers} <= set(release.questions)
+    assert all(a.message for a in answers if not a.correct), "every wrong answer names a message"
+    names = [a.id for a in answers]
+    assert len(names) == len(set(names)), "answer names repeat within a question"
+
+
+@pytest.mark.parametrize("lab", harness.labs())
+def test_solution_run_in_the_harness_is_clean_and_scores_full_marks(lab, graded, tmp_path):
+    answers = harness.load_answers(lab)
+    graded(answers[0])  # starts the lab's kernel
+    h = graded.harnesses[lab]
+    assert h.solution_errors == []
+    scores = {q: (r["score"], r["possible"]) for q, r in h.solution_results.items()}
+    assert all(s == p > 0 for s, p in scores.values()), scores
+
+
+@pytest.mark.parametrize("answer", ANSWERS, ids=_ids(ANSWERS))
+def test_answer_gets_its_expected_verdict(answer, graded):
+    v = graded(answer)
+    if answer.correct:
+        assert v.full_marks, (f"correct answer rejected ({answer.why}): "
+                              f"{v.own['score']}/{v.own['possible']}\n"
+                              + "\n".join(v.failure_messages()))
+    else:
+        assert not v.full_marks, f"wrong answer accepted ({answer.why})"
+        text = "\n".join(v.failure_messages())
+        assert answer.message in text, f"expected {answer.message!r} in:\n{text}"
+
+
+@pytest.mark.parametrize("answer", ANSWERS, ids=_ids(ANSWERS))
+def test_answer_leaves_the_other_questions_as_declared(answer, graded):
+    v = graded(answer)
+    lost = sorted(q for q, (s, p) in v.scores().items()
+                  if q != answer.question and s != p)
+    assert lost == sorted(answer.other_questions_lose), (
+        f"other questions that lost points: {lost}; declared: {answer.other_questions_lose}")
+
+
+# A failure message is for the student: otter shows the line of the test file that failed and
+# then `<exception type>: <text>`. The text must be an AssertionError raised on purpose, name a
+# graded variable in backticks, say what was expected and what was found, and hold no code or
+# traceback of the hidden checks.
+EXPECTATION = re.compile(
+    r"expected|should|not defined yet|is empty|has no entry|asks you|put them on the same|"
+    r"each device holds|is held by|is spread over|comes out as|takes about", re.I)
+INTERNAL = re.compile(r"Traceback|File \"|jaxlab_lab\d|_fail\(|\bev\[|\bsev\[|line \d+ of jaxlab")
+
+
+def student_text(message):
+    """The exception part of an otter failure message, and its type."""
+    match = re.search(r"^(\w+(?:\.\w+)*): (.*)\Z", message, re.S | re.M)
+    assert match, f"no exception line in otter's message:\n{message}"
+    return match.group(1), match.group(2)
+
+
+@pytest.mark.parametrize("answer", WRONG, ids=_ids(WRONG))
+def test_wrong_answer_gets_a_message_in_the_students_terms(answer, graded):
+    v = graded(answer)
+    release = graded.harnesses[answer.lab].release
+    names = release.graded_names[answer.question]
+    messages = v.failure_messages()
+    assert messages
+    for message in messages:
+        kind, text = student_text(message)
+        assert kind == "AssertionError", f"a raw {kind} reached the student:\n{message}"
+        assert len(text.strip()) > 20, f"an empty or bare message:\n{message}"
+        assert any(f"`{n}" in text for n in names), (
+            f"the message names none of {sorted(names)}:\n{text}")
+        assert EXPECTATION.search(text), f"says nothing about what was expected:\n{text}"
+        assert not INTERNAL.search(text), f"the message shows hidden test internals:\n{text}"
+
+
+@pytest.mark.parametrize("lab", harness.labs())
+def test_kernel_state_is_back_to_the_solution_after_the_whole_corpus(lab, graded):
+    for answer in harness.load_answers(lab):
+        graded(answer)
+    h = graded.harnesses[lab]
+    results = h.run_tests(h.release.questions)
+    scores = {q: (r["score"], r["possible"]) for q, r in results.items()}
+    assert all(s == p > 0 for s, p in scores.values()), scores
