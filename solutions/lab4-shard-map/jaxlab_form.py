@@ -232,8 +232,9 @@ def expect_on_mesh(name, ev, shape=None):
     expect_array(name, ev, shape)
     if ev["sharding"]["kind"] != "NamedSharding":
         raise AssertionError(
-            f"`{name}` is not placed on a mesh: it lives {describe_sharding(ev['sharding'])}. "
-            "Place it with jax.device_put(..., NamedSharding(mesh, P(...))).")
+            f"`{name}` is not placed on a mesh: it lives {describe_sharding(ev['sharding'])}; "
+            "expected it on the devices of a mesh. Place it with "
+            "jax.device_put(..., NamedSharding(mesh, P(...))).")
 
 
 def expect_callable(name, ev):
@@ -264,8 +265,10 @@ def rebuild_sharding(sev):
     import jax
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-    local = jax.devices()
     ids = sorted({i for i in np.ravel(sev.get("device_ids", sev["devices"]))})
+    local = jax.devices()
+    if len(ids) > len(local):  # e.g. one GPU beside the 8 CPU devices the lab ran on
+        local = jax.devices("cpu")
     if len(ids) > len(local):
         raise AssertionError(
             f"the array is spread over {len(ids)} devices but this grader has {len(local)}")
