@@ -55,3 +55,31 @@ def test_otter_run_agrees_with_the_harness_on_a_sample_of_answers(filename, grad
     assert otter == expected
     for a in answers:  # the sample exercises both verdicts
         assert (otter[a.question][0] == otter[a.question][1]) == a.correct, a.id
+
+
+@pytest.mark.skipif(LAB not in harness.labs(), reason="no corpus for this lab")
+def test_jaxlab_grade_agrees_with_the_harness_on_the_same_samples(graded, tmp_path):
+    """The Docker-free grader, trusted verdicts outside the kernel, gives the harness's scores."""
+    import pandas as pd
+
+    from jaxlab.grade import grade
+
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    expected = {}
+    for filename, entries in SAMPLES.items():
+        answers = _sample(entries)
+        verdicts = {a.question: graded(a).own for a in answers}
+        rel = graded.harnesses[LAB].release
+        nbformat.write(rel.notebook_with(answers), subs / filename)
+        expected[filename] = {q: verdicts[q]["score"] if q in verdicts else None
+                              for q in rel.questions}
+    assert grade(paths=[str(subs)], output_dir=str(tmp_path / "out"),
+                 autograder=str(rel.autograder), show=False)
+    df = pd.read_csv(tmp_path / "out" / "final_grades.csv").set_index("file")
+    possible = df.loc["points-per-question"]
+    for filename, scores in expected.items():
+        row = df.loc[filename]
+        assert row["grading_status"] == "Completed", row["grading_status"]
+        for q, score in scores.items():
+            assert float(row[q]) == (possible[q] if score is None else score), (filename, q)

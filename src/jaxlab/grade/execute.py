@@ -137,14 +137,17 @@ del _jaxlab_claim
 '''
 
 
-def grader_cells(questions, module, tests, private, evidence_dir):
-    """Cells appended after the student's: probes (jaxlab checks) and otter's own tests."""
-    cells = [PROBE_CELL.format(private=str(private), module=module, question=q,
-                               path=str(evidence_dir / f"{q}.json")) for q in questions]
-    cells += [CLAIM_CELL.format(private=str(private), test=str(test),
-                                path=str(evidence_dir / f"claim-{q}.json"))
-              for q, test in tests.items()]
-    return cells
+def probe_cells(questions, module, private, evidence_dir):
+    """Cells appended after the student's: one probe of the jaxlab checks per question."""
+    return [PROBE_CELL.format(private=str(private), module=module, question=q,
+                              path=str(evidence_dir / f"{q}.json")) for q in questions]
+
+
+def claim_cells(tests, private, evidence_dir):
+    """Cells running otter's own tests in the kernel, for the questions in ``tests``."""
+    return [CLAIM_CELL.format(private=str(private), test=str(test),
+                              path=str(evidence_dir / f"claim-{q}.json"))
+            for q, test in tests.items()]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -276,10 +279,11 @@ class Execution:
 
 
 def execute(kernel, cells, extra_cells, *, timeout, cell_timeout, memory_mb, output_cap,
-            on_start=None, on_grader_start=None):
+            on_start=None, on_grader_start=None, then=None):
     """Run ``cells`` ((index, source) pairs) then ``extra_cells`` (sources) in ``kernel``.
 
     ``on_grader_start`` runs once, after the student's cells and before the first extra cell.
+    ``then()``, called once the extra cells are done, returns more cells to run after them.
     """
     import nbformat.v4 as v4
 
@@ -300,7 +304,17 @@ def execute(kernel, cells, extra_cells, *, timeout, cell_timeout, memory_mb, out
             on_grader_start()
         current.update(cell=index[cell_index] if index[cell_index] is not None else "grader")
 
+    pending_then = [then] if then else []
+
+    def on_cell_executed(cell, cell_index, **_):
+        if pending_then and cell_index == len(index) - 1 and not dog.reason:
+            more = pending_then.pop()()
+            # nbclient walks nb.cells as a live list, so cells appended here run next
+            nb.cells.extend(v4.new_code_cell(src) for src in more)
+            index.extend([None] * len(more))
+
     client.on_cell_execute = on_cell_execute
+    client.on_cell_executed = on_cell_executed
     dog = Watchdog(kernel, timeout, memory_mb * 2**20)
     start = time.monotonic()
     dog.start()

@@ -1,8 +1,9 @@
 """Score a submission in a trusted process from the evidence its kernel left behind.
 
 Points-carrying test cases are decided here by the lab's ``verdict`` on plain data; the kernel's
-own run of otter's tests (its *claim*) only decides 0-point public cases, and any case where it
-claims more than the verdict gives is reported as tampering.
+own run of otter's tests (its *claim*, gathered only for questions the verdict fails) decides
+their 0-point public cases, and any case where it claims more than the verdict gives is
+reported as tampering.
 """
 
 import copy
@@ -44,6 +45,10 @@ def judge(autograder, checks, evidence_dir, no_answers_reason=None):
                     cheated.append(q)
             elif claimed is not None:
                 results.append(TestCaseResult(tc, claimed[1] or None, claimed[0]))
+            elif trusted and passed:
+                # no claim is gathered for a question the verdict passes, and every verdict
+                # checks the form its public cases check
+                results.append(TestCaseResult(tc, None, True))
             else:
                 results.append(TestCaseResult(tc, no_answers_reason or "the test did not run",
                                               False))

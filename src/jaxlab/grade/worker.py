@@ -20,7 +20,7 @@ import time
 import psutil
 
 from .autograder import FORM_MODULE, read_autograder
-from .execute import Kernel, execute, grader_cells, kernel_env, student_cells
+from .execute import Kernel, claim_cells, execute, kernel_env, probe_cells, student_cells
 from .judge import judge
 from .submissions import BadSubmission, read_submission
 
@@ -108,12 +108,23 @@ class Worker:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, dest)
             tests = {q: private / f"test_{q}.py" for q in self.ag.tests}
-            questions = list(self.checks.QUESTIONS) if self.checks else []
-            extra_cells = grader_cells(questions, self.ag.checks_module, tests, private, evidence)
-            ex = execute(kernel, cells, extra_cells, timeout=self.s["timeout"],
+            if self.checks:
+                # the kernel's own run of otter's tests is only needed where the trusted
+                # verdict fails: a claimed pass there is the sign of tampering
+                extra = probe_cells(self.checks.QUESTIONS, self.ag.checks_module, private,
+                                    evidence)
+
+                def then():
+                    failing = judge(self.ag, self.checks, evidence).outcomes
+                    return claim_cells({q: t for q, t in tests.items()
+                                        if failing.get(q) != "pass"}, private, evidence)
+            else:
+                extra, then = claim_cells(tests, private, evidence), None
+            ex = execute(kernel, cells, extra, timeout=self.s["timeout"],
                          cell_timeout=self.s["cell_timeout"], memory_mb=self.s["memory_mb"],
                          output_cap=self.s["output_cap"], on_start=self._prestart,
-                         on_grader_start=lambda: self._reveal(private, tests, evidence))
+                         on_grader_start=lambda: self._reveal(private, tests, evidence),
+                         then=then)
             verdicts = judge(self.ag, self.checks, evidence, no_answers_reason=ex.killed)
             expected = {f"{p}{q}.{x}" for q in self.ag.tests for p in ("", "claim-")
                         for x in ("json", "npz")}
