@@ -25,7 +25,8 @@ VARIANTS = {
     "default": {},
     "no-cache": {"compile_cache": False},
     "no-prestart": {"prestart": False},
-    "xla-1-thread": {"xla_threads": 1},
+    "unpinned": {"pin_cpus": False},
+    "1-thread": {"xla_threads": 1},
     "1-worker": {"workers": 1},
 }
 

@@ -170,13 +170,17 @@ class Kernel:
     workdir: str
 
     @classmethod
-    def start(cls, env, root):
+    def start(cls, env, root, cpu=None):
         workdir = tempfile.mkdtemp(prefix="kernel-", dir=root)
         km = AsyncKernelManager(kernel_name="python3")
         # jupyter_client starts the kernel in a new session: its pid is its process group id.
         run_sync(km.start_kernel)(cwd=workdir, env=env, stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        return cls(km, workdir)
+        kernel = cls(km, workdir)
+        if cpu is not None:
+            # XLA's threads start later from the kernel's main thread and inherit this
+            psutil.Process(kernel.pid).cpu_affinity([cpu])
+        return kernel
 
     @property
     def pid(self):

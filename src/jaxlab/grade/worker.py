@@ -58,7 +58,7 @@ class Worker:
         self.checks = self._import_checks() if self.ag.checks_module else None
         self.spare = None
         if settings.get("prestart", True):
-            self.spare = Kernel.start(self.env, self.kernels)
+            self.spare = Kernel.start(self.env, self.kernels, self.s.get("cpu"))
 
     def _import_checks(self):
         sys.path.insert(0, str(self.ag.files))
@@ -94,7 +94,8 @@ class Worker:
 
     def _run(self, nb, extra, record):
         cells = student_cells(nb)
-        kernel, self.spare = self.spare or Kernel.start(self.env, self.kernels), None
+        kernel = self.spare or Kernel.start(self.env, self.kernels, self.s.get("cpu"))
+        self.spare = None
         private = self.scratch / f"private-{secrets.token_hex(16)}"
         # created only once the student's cells are done, under a name they never saw
         evidence = self.scratch / f"evidence-{secrets.token_hex(16)}"
@@ -163,7 +164,7 @@ class Worker:
 
     def _prestart(self):
         if self.s.get("prestart", True) and self.spare is None:
-            self.spare = Kernel.start(self.env, self.kernels)
+            self.spare = Kernel.start(self.env, self.kernels, self.s.get("cpu"))
 
     def close(self):
         if self.spare:
