@@ -46,7 +46,10 @@ def grade(paths, output_dir, workers, timeout, cell_timeout, memory_mb, assignme
     """Grade submissions (.ipynb, grader.export() zips, or folders of them) without Docker."""
     from .grade import grade as run_grade
 
-    ok = run_grade(paths=list(paths), output_dir=output_dir, workers=workers, timeout=timeout,
-                   cell_timeout=cell_timeout, memory_mb=memory_mb, assignment=assignment,
-                   autograder=autograder, force=force)
+    try:
+        ok = run_grade(paths=list(paths), output_dir=output_dir, workers=workers,
+                       timeout=timeout, cell_timeout=cell_timeout, memory_mb=memory_mb,
+                       assignment=assignment, autograder=autograder, force=force)
+    except (ValueError, FileNotFoundError) as exc:  # which autograder to use
+        raise click.UsageError(str(exc)) from None
     sys.exit(0 if ok else 1)

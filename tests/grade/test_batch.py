@@ -72,6 +72,11 @@ def forge():
         time.sleep(0.05)
 threading.Thread(target=forge, daemon=True).start()
 """
+FAKE_RESULTS_FILE = """\
+import json
+with open("results.json", "w") as f:
+    json.dump({"tests": [{"name": "q1", "score": 2, "max_score": 2}]}, f)
+"""
 FAKE_REPORT = 'for q in ("q1", "q2", "q3"):\n    print(f"{q} results: All test cases passed!")'
 ALWAYS_EQUAL = """\
 class Anything:
@@ -143,6 +148,8 @@ def submissions(lab, root):
     replicated.cells.insert(answer_cell(replicated, "y"), nbformat.v4.new_code_cell(PATCH_SHARDING))
     add("patch_sharding.ipynb", replicated, {"q1": 0.0, "q2": 1.0, "q3": 1.0}, "TAMPERING", "q1")
     add("fake_results.ipynb", wrong(sol(), FAKE_RESULTS), NONE, "TAMPERING")
+    add("fake_results_file.ipynb", wrong(sol(), FAKE_RESULTS_FILE), NONE, "TAMPERING",
+        "files named like grading results (results.json)")
     add("fake_report.ipynb", with_cell(wrong(sol()), "y_mean", FAKE_REPORT), NONE,
         "TAMPERING", "imitating")
     always = sol()
@@ -191,7 +198,8 @@ CASES = ["solution.ipynb", "wrong.ipynb", "loop.ipynb", "hang.ipynb", "exit.ipyn
          "not_notebook.ipynb", "empty.ipynb", "no_notebook.zip", "export.zip", "deleted.ipynb",
          "reordered.ipynb", "odd näme with spaces.ipynb", "a/same.ipynb", "b/same.ipynb",
          "patch_runner.ipynb", "patch_allclose.ipynb", "patch_sharding.ipynb",
-         "fake_results.ipynb", "fake_report.ipynb", "always_equal.ipynb"]
+         "fake_results.ipynb", "fake_results_file.ipynb", "fake_report.ipynb",
+         "always_equal.ipynb"]
 
 
 @pytest.mark.parametrize("name", CASES)

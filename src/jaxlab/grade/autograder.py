@@ -83,8 +83,8 @@ def shipped_autograder(assignment=None, notebooks=()):
         raise FileNotFoundError("no autograder/*-autograder.zip found; pass --autograder")
     names = {z.name.removesuffix("-autograder.zip"): z for z in zips}
     if assignment is None:
-        stems = {pathlib.Path(n).stem for n in notebooks}
-        guessed = [n for n in names if n in stems]
+        named = {_assignment_name(p) or pathlib.Path(p).stem for p in notebooks}
+        guessed = [n for n in names if n in named]
         if len(guessed) == 1 or len(names) == 1:
             return (names[guessed[0]] if guessed else zips[0])
         raise ValueError(f"several autograders ship ({', '.join(names)}); pass --assignment")
@@ -92,3 +92,12 @@ def shipped_autograder(assignment=None, notebooks=()):
     if len(matches) != 1:
         raise ValueError(f"no single shipped autograder for {assignment!r} (have {', '.join(names)})")
     return matches[0]
+
+
+def _assignment_name(path):
+    """The assignment a notebook was released for (otter writes it into the metadata)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["metadata"]["otter"]["assignment_name"]
+    except Exception:
+        return None

@@ -33,7 +33,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=600, cell_timeout
     if not subs:
         print("jaxlab grade: no .ipynb or .zip submissions found", file=sys.stderr)
         return False
-    zip_path = autograder or shipped_autograder(assignment, [s.path.name for s in subs])
+    zip_path = autograder or shipped_autograder(assignment, [s.path for s in subs])
     state = out / ".jaxlab"
     (state / "records").mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-grade-"))

@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -280,6 +281,7 @@ class Execution:
     outputs: list = dataclasses.field(default_factory=list)  # (cell index, text) of student cells
     peak_mb: float = 0
     seconds: float = 0
+    files: list = dataclasses.field(default_factory=list)  # names left in the kernel's folder
 
 
 def execute(kernel, cells, extra_cells, *, timeout, cell_timeout, memory_mb, output_cap,
@@ -355,5 +357,6 @@ def execute(kernel, cells, extra_cells, *, timeout, cell_timeout, memory_mb, out
                 result.outputs.append((i, "".join(text)))
     result.output_truncated = getattr(client, "output_truncated", False)
     result.peak_mb = dog.peak / 2**20
+    result.files = sorted({p.name for p in pathlib.Path(kernel.workdir).rglob("*")})
     kernel.kill(dog.seen.values())
     return result

@@ -24,6 +24,8 @@ from .execute import Kernel, claim_cells, execute, kernel_env, probe_cells, stud
 from .judge import judge
 from .submissions import BadSubmission, read_submission
 
+# what otter run / otter grade / Gradescope read results from
+RESULT_FILES = {"results.json", "results.pkl", "results.txt"}
 NOT_TAMPER_CHECKED = "not tamper-checked: the autograder has no jaxlab checks module"
 
 
@@ -130,6 +132,7 @@ class Worker:
             expected = {f"{p}{q}.{x}" for q in self.ag.tests for p in ("", "claim-")
                         for x in ("json", "npz")}
             strangers = sorted(p.name for p in evidence.glob("*") if p.name not in expected)
+            forged = [name for name in ex.files if name in RESULT_FILES]
         finally:
             kernel.kill()
             self._reap()
@@ -142,6 +145,9 @@ class Worker:
                                   for q, o in verdicts.outcomes.items() if o != "pass"} | \
                 {q: o for q, o in verdicts.outcomes.items() if o == "pass"}
         record["flags"] = verdicts.flags + _imitated_reports(ex.outputs, list(self.ag.tests))
+        if forged:
+            record["flags"].append("the notebook wrote files named like grading results "
+                                   f"({', '.join(forged)}), which this grader never reads")
         if strangers:
             record["flags"].append("files the grader did not write appeared among its "
                                    f"evidence ({', '.join(strangers[:5])})")
