@@ -1,27 +1,15 @@
 import os
-import pathlib
-import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-LABS = ("lab3-parallelism", "lab4-shard-map")
+from labs import release_paths
 
 # The checks rebuild shardings on 8 devices; set before JAX starts in this process.
 os.environ.setdefault("PJRT_NPROC", "16")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-
-
-def release_paths(lab):
-    return {
-        "master": ROOT / "assignments" / lab / f"{lab}.ipynb",
-        "student": ROOT / "student" / lab / f"{lab}.ipynb",
-        "solution": ROOT / "solutions" / lab / f"{lab}.ipynb",
-        "autograder": ROOT / "autograder" / f"{lab}-autograder.zip",
-    }
 
 
 @pytest.fixture(scope="session")
@@ -49,11 +37,6 @@ def graded(tmp_path_factory):
     yield verdict
     for h in harnesses.values():
         h.close()
-
-
-def run_python(code, timeout=300):
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from conftest import LABS, release_paths
+from labs import LABS, release_paths
 from jaxlab import release
 
 QUESTION_COUNTS = {"lab3-parallelism": 9, "lab4-shard-map": 10}

@@ -3,7 +3,7 @@
 import nbformat
 import pytest
 
-from conftest import LABS, release_paths, run_python
+from labs import LABS, release_paths, run_python
 
 
 def setup_cell(lab):

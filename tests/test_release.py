@@ -9,7 +9,7 @@ import zipfile
 import nbformat
 import pytest
 
-from conftest import LABS, ROOT, release_paths
+from labs import LABS, ROOT, release_paths
 from jaxlab import release
 
 
