@@ -423,7 +423,8 @@ def _q1(ev):
         call = f"normalized_convolution under {how}"
         if "error" in run:
             _fail(f"`{call}` on {len(xs)} new examples of length {xs.shape[1]} raised "
-                  f"{run['error']}.")
+                  f"{run['error']}; it should divide each example's convolution by "
+                  "jax.lax.psum of the convolutions over the axis named 'p'.")
         expected = _normalized_convolutions(xs, fresh["w"])
         _array_out(call, run["output"], expected.shape)
         _close(call, run["output"]["value"], expected,
