@@ -418,11 +418,13 @@ def confusion_table(verdicts):
             row[0 if v.full_marks else 1] += 1
         else:
             row[3 if v.full_marks else 2] += 1
-    head = f"{'lab':<20} {'question':<22} {'correct ok':>10} {'correct REJ':>11} " \
+    width = max([len("question")] + [len(q) for _, q in rows])
+    head = f"{'lab':<20} {'question':<{width}} {'correct ok':>10} {'correct REJ':>11} " \
            f"{'wrong ok':>8} {'wrong ACC':>9}"
     lines = [head, "-" * len(head)]
     for (lab, q), r in sorted(rows.items()):
-        lines.append(f"{lab:<20} {q:<22} {r[0]:>10} {r[1]:>11} {r[2]:>8} {r[3]:>9}")
+        lines.append(f"{lab:<20} {q:<{width}} {r[0]:>10} {r[1]:>11} {r[2]:>8} {r[3]:>9}")
     total = [sum(r[i] for r in rows.values()) for i in range(4)]
-    lines.append(f"{'total':<43} {total[0]:>10} {total[1]:>11} {total[2]:>8} {total[3]:>9}")
+    lines.append(f"{'total':<{width + 21}} {total[0]:>10} {total[1]:>11} {total[2]:>8} "
+                 f"{total[3]:>9}")
     return lines
