@@ -13,6 +13,8 @@ never receive.
 import json
 import math
 import pathlib
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -102,6 +104,43 @@ def _array_evidence(x):
     ev["sharding"] = sharding_evidence(x.sharding)
     ev["typeof"] = str(jax.typeof(x))
     return ev
+
+
+def evidence_of(values):
+    """Evidence of each of a question's values, by name: the default probe."""
+    return {name: evidence(value) for name, value in values.items()}
+
+
+# --------------------------------------------------------------------------- questions
+@dataclass(frozen=True)
+class Question:
+    """A graded question: its variable names, a probe (runs in the student's kernel) and a
+    verdict (judges the probe's plain data, raising AssertionError with a message)."""
+
+    names: tuple
+    verdict: Callable
+    probe: Callable = evidence_of
+
+
+def question(names, verdict, probe=evidence_of):
+    return Question(names=tuple(names.split()), verdict=verdict, probe=probe)
+
+
+def entry_points(questions):
+    """A lab's ``probe``, ``verdict`` and ``check`` over its ``QUESTIONS``."""
+
+    def probe(question, values):
+        """Evidence for ``question`` from the student's ``values`` (in the student's kernel)."""
+        return questions[question].probe(values)
+
+    def verdict(question, ev):
+        """Raise AssertionError with a message for the student unless the evidence is right."""
+        questions[question].verdict(ev)
+
+    def check(question, **values):
+        verdict(question, probe(question, values))
+
+    return probe, verdict, check
 
 
 # --------------------------------------------------------------------------- transport

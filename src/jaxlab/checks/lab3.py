@@ -13,8 +13,6 @@ import math
 import os
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -38,32 +36,7 @@ MESH_SIZES = (4, 8)
 FRESH_ROWS = 64
 
 
-@dataclass(frozen=True)
-class Question:
-    names: tuple
-    probe: Callable
-    verdict: Callable
-
-
-def probe(question, values):
-    """Evidence for ``question`` from the student's ``values`` (runs in the student's kernel)."""
-    return QUESTIONS[question].probe(values)
-
-
-def verdict(question, ev):
-    """Raise AssertionError with a message for the student unless the evidence is right."""
-    QUESTIONS[question].verdict(ev)
-
-
-def check(question, **values):
-    verdict(question, probe(question, values))
-
-
 # --------------------------------------------------------------------------- probes
-def _evidence_of(values):
-    return {name: form.evidence(value) for name, value in values.items()}
-
-
 def _call(fn, *args):
     """Call a student's function, keeping what it prints and how it fails."""
     out = io.StringIO()
@@ -93,7 +66,7 @@ def _probe_explicit(values):
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    ev = _evidence_of(values)
+    ev = form.evidence_of(values)
     fn, xe = values.get("layer_explicit"), values.get("x_explicit")
     if callable(fn) and form._is_jax_array(xe) and isinstance(xe.sharding, NamedSharding) \
             and len(xe.sharding.mesh.axis_names) == 1:
@@ -112,7 +85,7 @@ def _probe_explicit(values):
 def _probe_manual(values):
     import jax
 
-    ev = _evidence_of(values)
+    ev = form.evidence_of(values)
     fn = values.get("layer_manual")
     if callable(fn):
         xf, Wf, bf = _fresh_layer_inputs()
@@ -141,7 +114,7 @@ def _probe_timing(values):
     import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    ev = _evidence_of(values)
+    ev = form.evidence_of(values)
     devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
     x, y, params = _training_setup(1024, (1, 1024, 1024, 1))
     mesh = jax.make_mesh((len(devices[:8]),), ("batch",), axis_types=(AxisType.Auto,),
@@ -597,20 +570,18 @@ def _q9(ev):
                   "and divide by the number of calls.")
 
 
-def _q(names, verdict_fn, probe_fn=_evidence_of):
-    return Question(names=tuple(names.split()), probe=probe_fn, verdict=verdict_fn)
-
-
 QUESTIONS = {
-    "q1_device_put": _q("A_sharded", _q1),
-    "q2_inspect": _q("A_sharded_devices A_shard_shape", _q2),
-    "q3_partition_specs": _q("shard_shapes replicas", _q3),
-    "q4_propagation": _q("B C B_plus_C BtC", _q4),
-    "q5_dp_auto": _q("x_auto W_auto b_auto out_auto", _q5),
-    "q6_dp_explicit": _q("x_explicit W_explicit b_explicit layer_explicit out_explicit", _q6,
+    "q1_device_put": form.question("A_sharded", _q1),
+    "q2_inspect": form.question("A_sharded_devices A_shard_shape", _q2),
+    "q3_partition_specs": form.question("shard_shapes replicas", _q3),
+    "q4_propagation": form.question("B C B_plus_C BtC", _q4),
+    "q5_dp_auto": form.question("x_auto W_auto b_auto out_auto", _q5),
+    "q6_dp_explicit": form.question("x_explicit W_explicit b_explicit layer_explicit out_explicit", _q6,
                          _probe_explicit),
-    "q7_dp_manual": _q("layer_manual out_man", _q7, _probe_manual),
-    "q8_sharded_training": _q(
+    "q7_dp_manual": form.question("layer_manual out_man", _q7, _probe_manual),
+    "q8_sharded_training": form.question(
         "x_train_sharded y_train_sharded params_replicated params_trained_sharded", _q8),
-    "q9_timing": _q("time_unsharded time_sharded", _q9, _probe_timing),
+    "q9_timing": form.question("time_unsharded time_sharded", _q9, _probe_timing),
 }
+
+probe, verdict, check = form.entry_points(QUESTIONS)

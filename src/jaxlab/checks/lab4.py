@@ -19,8 +19,6 @@ import io
 import os
 import re
 import traceback
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -57,32 +55,7 @@ COLLECTIVES = {
 Params = collections.namedtuple("Params", "weight bias")
 
 
-@dataclass(frozen=True)
-class Question:
-    names: tuple
-    probe: Callable
-    verdict: Callable
-
-
-def probe(question, values):
-    """Evidence for ``question`` from the student's ``values`` (runs in the student's kernel)."""
-    return QUESTIONS[question].probe(values)
-
-
-def verdict(question, ev):
-    """Raise AssertionError with a message for the student unless the evidence is right."""
-    QUESTIONS[question].verdict(ev)
-
-
-def check(question, **values):
-    verdict(question, probe(question, values))
-
-
 # --------------------------------------------------------------------------- probes
-def _evidence_of(values):
-    return {name: form.evidence(value) for name, value in values.items()}
-
-
 def _rng():
     return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
 
@@ -157,7 +130,7 @@ def _probe_conv(values):
     import jax
     from jax.sharding import PartitionSpec as P
 
-    ev = _evidence_of(values)
+    ev = form.evidence_of(values)
     fn = values.get("normalized_convolution")
     if not callable(fn):
         return ev
@@ -174,7 +147,7 @@ def _probe_conv(values):
 
 
 def _probe_global_sum(values):
-    ev = _evidence_of(values)
+    ev = form.evidence_of(values)
     fn = values.get("global_sum")
     if callable(fn):
         x = _rng().uniform(-1.0, 1.0, size=(12 * N_DEVICES,)).astype(np.float32)
@@ -185,7 +158,7 @@ def _probe_global_sum(values):
 
 def _probe_matmul(name, lhs_spec):
     def probe_fn(values):
-        ev = _evidence_of(values)
+        ev = form.evidence_of(values)
         fn = values.get(name)
         if callable(fn):
             rng = _rng()
@@ -209,7 +182,7 @@ def _probe_loss(name):
     def probe_fn(values):
         import jax
 
-        ev = _evidence_of(values)
+        ev = form.evidence_of(values)
         fn = values.get(name)
         if callable(fn):
             seed = int(_rng().integers(1, 2**31))
@@ -598,18 +571,16 @@ def _q10(ev):
                "`params` on `xs`, `ys`", rtol=TRAIN_RTOL, atol=TRAIN_ATOL)
 
 
-def _q(names, verdict_fn, probe_fn=_evidence_of):
-    return Question(names=tuple(names.split()), probe=probe_fn, verdict=verdict_fn)
-
-
 QUESTIONS = {
-    "q1_vmap_collective": _q("normalized_convolution", _q1, _probe_conv),
-    "q2_global_sum": _q("global_sum", _q2, _probe_global_sum),
-    **{q: _q(name, _matmul_verdict(q), _probe_matmul(name, spec))
+    "q1_vmap_collective": form.question("normalized_convolution", _q1, _probe_conv),
+    "q2_global_sum": form.question("global_sum", _q2, _probe_global_sum),
+    **{q: form.question(name, _matmul_verdict(q), _probe_matmul(name, spec))
        for q, spec in (("q3_matmul_allgather", ("i", None)), ("q4_matmul_ring", ("i", None)),
                        ("q5_matmul_reducescatter", (None, "i")),
                        ("q6_matmul_ring_reducescatter", (None, "i")))
        for name in [MATMULS[q][0]]},
-    **{q: _q(LOSSES[q][0], _loss_verdict(q), _probe_loss(LOSSES[q][0])) for q in LOSSES},
-    "q10_dp_training": _q("update params_trained", _q10, _probe_training),
+    **{q: form.question(LOSSES[q][0], _loss_verdict(q), _probe_loss(LOSSES[q][0])) for q in LOSSES},
+    "q10_dp_training": form.question("update params_trained", _q10, _probe_training),
 }
+
+probe, verdict, check = form.entry_points(QUESTIONS)
