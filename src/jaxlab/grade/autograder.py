@@ -70,7 +70,10 @@ def read_autograder(dest):
 def _find_checks_module(files):
     for path in sorted(files.glob(CHECKS_FILE_GLOB)) if files.is_dir() else []:
         text = path.read_text(errors="replace")
-        if path.stem != FORM_MODULE and "QUESTIONS" in text and "def verdict" in text:
+        # a checks module registers QUESTIONS and exposes probe/verdict (defined there or
+        # through jaxlab_form.entry_points)
+        if path.stem != FORM_MODULE and "QUESTIONS" in text and \
+                ("def verdict" in text or "entry_points(QUESTIONS)" in text):
             return path.stem
     return None
 
