@@ -5,21 +5,37 @@
 
 Prints both wall times, their ratio and whether every copy got the same scores both ways.
 Extra ``jaxlab grade`` settings (no prestart, no compilation cache, XLA threads) can be compared
-with ``--variant``.
+with ``--variant``. Also printed, measured in the same run:
+
+* the floor: the student's own cells alone, run in a fresh kernel pinned to one core with the
+  batch's warm compilation cache, times the copies, divided by the cores. One core per kernel
+  is the least CPU time the cells can take (more threads only add switching and waiting), so
+  no grader that runs the cells can finish the batch faster, whatever its overhead;
+* the peak memory of each worker: its own process plus its kernels (the running one and the
+  one started ahead).
 """
 
 import argparse
+import datetime
 import json
+import os
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
+import nbformat
 import pandas as pd
+import psutil
+from nbclient import NotebookClient
 
 from jaxlab.grade import grade
+from jaxlab.grade.autograder import open_autograder
+from jaxlab.grade.execute import Kernel, kernel_env, student_cells
 
 VARIANTS = {
     "default": {},
@@ -44,6 +60,45 @@ def otter_run_loop(autograder, copies, out):
     return scores
 
 
+def cells_seconds(submission, autograder, cpu, work, cache_dir):
+    """Seconds the student's cells take in a fresh kernel pinned to ``cpu`` (sum over cells)."""
+    ag = open_autograder(autograder, work / "ag")
+    cells = student_cells(nbformat.read(submission, as_version=4))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for _, src in cells])
+    kernel = Kernel.start(kernel_env(cache_dir), work, cpu=cpu)
+    try:
+        for path in ag.support_files():
+            shutil.copy(path, kernel.workdir)
+        NotebookClient(nb, km=kernel.km, timeout=600, kernel_name="python3").execute()
+    finally:
+        kernel.kill()
+    spans = [cell.metadata["execution"] for cell in nb.cells]
+    stamp = datetime.datetime.fromisoformat
+    return sum((stamp(e["shell.execute_reply"]) - stamp(e["iopub.execute_input"])).total_seconds()
+               for e in spans)
+
+
+class WorkerMemory(threading.Thread):
+    """Samples the resident memory of each worker process and of its whole process tree."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.tree_peak, self.own_peak, self.halt = 0, 0, threading.Event()
+
+    def run(self):
+        me = psutil.Process()
+        while not self.halt.wait(0.2):
+            for proc in me.children(recursive=True):
+                try:
+                    if "jaxlab.grade.worker" not in " ".join(proc.cmdline()):
+                        continue
+                    own = proc.memory_info().rss
+                    tree = own + sum(c.memory_info().rss for c in proc.children(recursive=True))
+                except psutil.Error:
+                    continue
+                self.own_peak, self.tree_peak = max(self.own_peak, own), max(self.tree_peak, tree)
+
+
 def jaxlab_scores(out):
     df = pd.read_csv(out / "final_grades.csv").set_index("file").drop("points-per-question")
     questions = [c for c in df.columns
@@ -58,6 +113,9 @@ def main():
     ap.add_argument("--copies", type=int, default=16)
     ap.add_argument("--variant", action="append", choices=list(VARIANTS))
     ap.add_argument("--skip-otter", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the graded output folders")
+    ap.add_argument("--floor-runs", type=int, default=2,
+                    help="times to run the student's cells alone on one core (0: skip)")
     args = ap.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-bench-"))
     subs = work / "subs"
@@ -67,11 +125,27 @@ def main():
     results = {}
     for variant in args.variant or ["default"]:
         out = work / f"grade-{variant}"
+        memory = WorkerMemory()
+        memory.start()
         t = time.perf_counter()
         grade(paths=[str(subs)], output_dir=str(out), autograder=args.autograder,
               show=False, **VARIANTS[variant])
         results[variant] = (time.perf_counter() - t, jaxlab_scores(out))
-        print(f"jaxlab grade [{variant}]: {results[variant][0]:.1f} s", flush=True)
+        memory.halt.set()
+        print(f"jaxlab grade [{variant}]: {results[variant][0]:.1f} s; peak memory per worker "
+              f"{memory.tree_peak / 2**20:.0f} MiB with its kernels, "
+              f"{memory.own_peak / 2**20:.0f} MiB for the worker process alone", flush=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    floor = None
+    if args.floor_runs:
+        cache = work / f"grade-{(args.variant or ['default'])[0]}" / ".jaxlab" / "jax-cache"
+        runs = [cells_seconds(args.submission, args.autograder, cpus[0], work / f"floor{i}",
+                              cache) for i in range(args.floor_runs)]
+        per_copy = statistics.median(runs)
+        floor = per_copy * args.copies / len(cpus)
+        print(f"student cells alone on one core: {per_copy:.1f} s per copy (runs: "
+              f"{', '.join(f'{r:.1f}' for r in runs)}); floor for {args.copies} copies on "
+              f"{len(cpus)} cores: {floor:.1f} s", flush=True)
     if not args.skip_otter:
         t = time.perf_counter()
         theirs = otter_run_loop(args.autograder, copies, work / "otter")
@@ -81,7 +155,18 @@ def main():
             same = ours == theirs
             print(f"[{variant}] jaxlab grade / otter run = {seconds / otter_s:.2f} "
                   f"(target <= 0.33); identical scores: {same}")
-    shutil.rmtree(work, ignore_errors=True)
+            for f in sorted(set(ours) | set(theirs)):
+                a, b = ours.get(f, {}), theirs.get(f, {})
+                for q in sorted(set(a) | set(b)):
+                    if a.get(q) != b.get(q):
+                        print(f"  {f} {q}: jaxlab grade {a.get(q)}, otter run {b.get(q)}")
+        if floor:
+            print(f"floor / otter run = {floor / otter_s:.2f}: no grader that runs the "
+                  "student's cells can go below this on this machine")
+    if args.keep:
+        print(f"outputs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

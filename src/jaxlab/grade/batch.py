@@ -105,8 +105,10 @@ def _previous(folder, digests):
 
 def _worker_env():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    # glibc gives each of XLA's threads its own malloc arena; two arenas kept a Lab 3 kernel
+    # at ~780 MiB instead of ~970 MiB and the worker at ~320 MiB instead of ~590 MiB, same speed
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               PJRT_NPROC="16")
+               PJRT_NPROC="16", MALLOC_ARENA_MAX="2")
     return env
 
 

@@ -154,7 +154,7 @@ def claim_cells(tests, private, evidence_dir):
 # --------------------------------------------------------------------------- kernels
 def kernel_env(cache_dir=None, xla_threads=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "JPY_"))}
-    env.update(PJRT_NPROC="16", MPLBACKEND="Agg", PYTHONHASHSEED="0")
+    env.update(PJRT_NPROC="16", MPLBACKEND="Agg", PYTHONHASHSEED="0", MALLOC_ARENA_MAX="2")
     if cache_dir:
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 
 from otter.grade.utils import SCORES_DICT_FILE_KEY, SCORES_DICT_GRADING_STATUS_KEY, \
     merge_scores_to_df
@@ -58,12 +59,19 @@ def write_csv(out, records, autograder):
     return df
 
 
+def in_notebook_order(questions):
+    """q2 before q10, as in the notebook; the CSV keeps otter's alphabetical column order."""
+    return sorted(questions, key=lambda q: [int(t) if t.isdigit() else t
+                                            for t in re.split(r"(\d+)", q)])
+
+
 def question_table(records, autograder):
-    """Per question: mean score, share with full marks, errors, timeouts."""
+    """Per question, in notebook order: mean score, share with full marks, errors, timeouts."""
     import pandas as pd
 
     rows = []
-    for q, possible in autograder.points.items():
+    for q in in_notebook_order(autograder.points):
+        possible = autograder.points[q]
         scores, outcomes = [], []
         for r in records:
             data = r["questions"].get(q)
@@ -95,7 +103,7 @@ def plot_distribution(out, df, autograder):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    questions = list(autograder.points)
+    questions = in_notebook_order(autograder.points)
     graded = df[df[SCORES_DICT_FILE_KEY] != "points-per-question"]
     fig, axes = plt.subplots(1, len(questions) + 1, figsize=(3 * (len(questions) + 1), 3),
                              squeeze=False)

@@ -39,6 +39,16 @@ def kill_and_reap(procs):
     psutil.wait_procs(procs, timeout=5)  # reaps our own children, so no zombie is left
 
 
+def release_memory():
+    """Give freed heap back to the OS, so a worker's resident size stays near its live data."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except Exception:
+        pass
+
+
 def set_subreaper():
     """Orphaned descendants (e.g. a kernel's double-forked child) re-parent to this process."""
     try:
@@ -90,6 +100,7 @@ class Worker:
         except Exception as exc:  # a grader bug must cost one row, not the batch
             record.update(catastrophic=True, status=f"grader error: {type(exc).__name__}: {exc}")
         record["seconds"] = round(time.monotonic() - start, 2)
+        release_memory()
         tmp = pathlib.Path(job["record"] + ".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, job["record"])
