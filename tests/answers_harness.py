@@ -39,6 +39,8 @@ import zipfile
 import nbformat
 import yaml
 
+from jaxlab.grade.report import in_notebook_order
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ANSWERS = ROOT / "tests" / "answers"
 PROMPT = "### Your code here"
@@ -422,7 +424,8 @@ def confusion_table(verdicts):
     head = f"{'lab':<20} {'question':<{width}} {'correct ok':>10} {'correct REJ':>11} " \
            f"{'wrong ok':>8} {'wrong ACC':>9}"
     lines = [head, "-" * len(head)]
-    for (lab, q), r in sorted(rows.items()):
+    order = {q: i for i, q in enumerate(in_notebook_order({q for _, q in rows}))}
+    for (lab, q), r in sorted(rows.items(), key=lambda item: (item[0][0], order[item[0][1]])):
         lines.append(f"{lab:<20} {q:<{width}} {r[0]:>10} {r[1]:>11} {r[2]:>8} {r[3]:>9}")
     total = [sum(r[i] for r in rows.values()) for i in range(4)]
     lines.append(f"{'total':<{width + 21}} {total[0]:>10} {total[1]:>11} {total[2]:>8} "
