@@ -179,6 +179,21 @@ def test_q7_rejects_a_loss_without_shard_map():
     assert msg.startswith("`loss_dp` gives the right numbers but does not go through jax.shard_map")
 
 
+def test_fresh_mlp_inputs_keep_every_relu_input_clear_of_float32_noise():
+    for i in range(10):
+        seed = lab4._kink_free_seed(np.random.default_rng(i))
+        params, (inputs, _) = lab4._fresh_init(seed)
+        assert lab4._kink_margin(params, inputs) >= lab4.KINK_MARGIN
+        h = np.asarray(inputs, np.float64)
+        h32 = inputs
+        for W, b in params[:-1]:
+            z = h @ np.asarray(W, np.float64) + np.asarray(b, np.float64)
+            z32 = jax.jit(lambda h, W, b: jnp.dot(h, W) + b)(h32, W, b)
+            noise = np.max(np.abs(np.asarray(z32, np.float64) - z)) / z.std()
+            assert noise < lab4.KINK_MARGIN / 10, f"seed {seed}: float32 noise {noise:.3g}"
+            h, h32 = np.maximum(z, 0.0), jax.nn.relu(z32)
+
+
 def test_q8_requires_all_gather_of_the_weights():
     msg = verdict_message("q8_loss_fsdp", loss_fsdp=dp_loss(lax.pmean))
     assert msg.startswith("`loss_fsdp` gives the right numbers but its traced program has no "

@@ -154,6 +154,9 @@ def test_release_check_exits_non_zero_when_a_committed_release_is_stale(tmp_path
     assert subprocess.run(cmd, capture_output=True).returncode == 0
     student = tmp_path / "student" / lab / f"{lab}.ipynb"
     student.write_text(student.read_text().replace("### Your code here", "### Your code", 1))
+    export = tmp_path / "solutions" / lab / f"{lab}_2026_11_21T13_45_20_533285.zip"
+    export.write_bytes(b"a student's export, left behind by running the notebook in place")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 1
     assert f"stale: student/{lab}/{lab}.ipynb" in proc.stdout
+    assert f"stale: solutions/{lab}/{export.name}" in proc.stdout

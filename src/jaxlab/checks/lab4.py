@@ -42,6 +42,13 @@ LAYER_SIZES = (784, 128, 128, 128, 128, 128, 8)
 FRESH_BATCH = 64
 LEARNING_RATE = 0.005
 TRAIN_STEPS = 1000
+# The MLP's gradient jumps where a ReLU's input crosses zero: one unit switching on or off for
+# one example moves the gradient by ~1e-2, far past GRAD_RTOL, and two float32 computations of
+# an input sitting within ~3e-6 (of its layer's spread) of zero may disagree on its sign. Fresh
+# inputs are drawn so that every ReLU input is at least KINK_MARGIN of its layer's spread away
+# from zero (about 1 draw in 25 qualifies; each draw costs ~4 ms).
+KINK_MARGIN = 1e-4
+KINK_DRAWS = 1000
 
 COLLECTIVES = {
     "psum": ("psum", "psum_invariant", "psum2"),
@@ -185,8 +192,8 @@ def _probe_loss(name):
         ev = form.evidence_of(values)
         fn = values.get(name)
         if callable(fn):
-            seed = int(_rng().integers(1, 2**31))
-            params, (inputs, targets) = _init(jax.random.key(seed), LAYER_SIZES, FRESH_BATCH)
+            seed = _kink_free_seed(_rng())
+            params, (inputs, targets) = _fresh_init(seed)
             axis, pspec, ispec, tspec = LOSS_LAYOUTS[name]
             mesh = _mesh(axis)
             params = [(_put(W, mesh, *pspec), _put(b, mesh, *pspec)) for W, b in params]
@@ -265,11 +272,53 @@ def _init(key, layer_sizes, batch_size):
     return params, (inputs, targets)
 
 
-def _reference_loss_and_grad(seed):
+@functools.lru_cache(maxsize=None)
+def _jitted_init():
     import jax
 
-    params, batch = _init(jax.random.key(seed), LAYER_SIZES, FRESH_BATCH)
-    loss, grads = jax.jit(jax.value_and_grad(_loss))(params, batch)
+    return jax.jit(lambda key: _init(key, LAYER_SIZES, FRESH_BATCH))
+
+
+def _fresh_init(seed):
+    """The params and batch that a probe draws for ``seed`` (same bits in kernel and worker)."""
+    import jax
+
+    return _jitted_init()(jax.random.key(seed))
+
+
+def _kink_margin(params, inputs):
+    """How close the nearest ReLU input comes to zero, in units of its layer's spread."""
+    h, margin = np.asarray(inputs, np.float64), np.inf
+    for W, b in params[:-1]:
+        z = h @ np.asarray(W, np.float64) + np.asarray(b, np.float64)
+        margin = min(margin, float(np.abs(z).min() / z.std()))
+        h = np.maximum(z, 0.0)
+    return margin
+
+
+def _kink_free_seed(rng, draws=KINK_DRAWS):
+    best = (-1.0, None)
+    for _ in range(draws):
+        seed = int(rng.integers(1, 2**31))
+        params, (inputs, _) = _fresh_init(seed)
+        margin = _kink_margin(params, inputs)
+        if margin >= KINK_MARGIN:
+            return seed
+        best = max(best, (margin, seed))
+    return best[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_value_and_grad():
+    import jax
+
+    return jax.jit(jax.value_and_grad(_loss))
+
+
+def _reference_loss_and_grad(seed):
+
+    params, batch = _fresh_init(seed)
+    loss, grads = _jitted_value_and_grad()(params, batch)
     return float(loss), [(np.asarray(W), np.asarray(b)) for W, b in grads]
 
 

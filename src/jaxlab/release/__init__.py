@@ -244,7 +244,15 @@ def stale_files(*, root, name):
         committed_zip = root / "autograder" / f"{name}-autograder.zip"
         if not committed_zip.exists() or committed_zip.read_bytes() != zip_path.read_bytes():
             stale.append(f"autograder/{name}-autograder.zip")
-        committed_solution = root / "solutions" / name / f"{name}.ipynb"
+        # Besides its notebook, solutions/<lab>/ holds exactly the student's files; anything
+        # else there (an export zip, .OTTER_LOG from running the notebook in place) is stale.
+        solution_dir = root / "solutions" / name
+        for path in sorted(solution_dir.rglob("*")) if solution_dir.exists() else []:
+            rel = path.relative_to(solution_dir)
+            if path.is_file() and rel.as_posix() != f"{name}.ipynb" and (
+                    built.get(rel) != path.read_bytes()):
+                stale.append(f"solutions/{name}/{rel.as_posix()}")
+        committed_solution = solution_dir / f"{name}.ipynb"
         if not committed_solution.exists() or _sources(committed_solution) != [
                 (c.cell_type, c.source) for c in solution.cells]:
             stale.append(f"solutions/{name}/{name}.ipynb")
