@@ -73,8 +73,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=600, cell_timeout
                 bar.update()
         for t in slots:
             t.join()
-        df = report.write_csv(out, _ordered(records, subs), ag)
-        report.plot_distribution(out, df, ag)
+        report.write_csv(out, _ordered(records, subs), ag)
+        report.plot_distribution(out, _ordered(records, subs), ag)
         if show:
             report.print_table(report.question_table(_ordered(records, subs), ag))
         return True

@@ -65,22 +65,58 @@ def in_notebook_order(questions):
                                             for t in re.split(r"(\d+)", q)])
 
 
+# How one question of one submission ended, for the class report; in drawing order.
+CATEGORIES = ("full marks", "partial", "zero", "error", "timed out")
+# Okabe-Ito colours: distinguishable with the common colour-vision deficiencies.
+COLOURS = ("#009E73", "#56B4E9", "#E69F00", "#CC79A7", "#555555")
+LEGEND = ("full marks", "partial credit", "zero (wrong answer)", "error (not checked)",
+          "timed out")
+
+
+def per_question(records, autograder):
+    """One row per (submission, question): file, question, points, possible, category.
+
+    ``category`` is one of CATEGORIES: a check that could not run (dead kernel, missing
+    evidence, a submission that could not be read) is an ``error``, not a ``zero``.
+    """
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        for q in in_notebook_order(autograder.points):
+            possible = autograder.points[q]
+            data = r["questions"].get(q)
+            score = sum(c["points"] for c in data["cases"] if c["passed"]) if data else 0.0
+            outcome = "error" if r["catastrophic"] else r["outcomes"].get(q, "error")
+            if outcome == "timeout":
+                category = "timed out"
+            elif outcome == "error" and score == 0:
+                category = "error"
+            elif score >= possible - 1e-9:
+                category = "full marks"
+            elif score > 0:
+                category = "partial"
+            else:
+                category = "zero"
+            rows.append({"file": r["file"], "question": q, "points": score,
+                         "possible": possible, "category": category})
+    return pd.DataFrame(rows, columns=["file", "question", "points", "possible", "category"])
+
+
 def question_table(records, autograder):
     """Per question, in notebook order: mean score, share with full marks, errors, timeouts."""
     import pandas as pd
 
+    long = per_question(records, autograder)
     rows = []
     for q in in_notebook_order(autograder.points):
+        one = long[long["question"] == q]
         possible = autograder.points[q]
-        scores, outcomes = [], []
-        for r in records:
-            data = r["questions"].get(q)
-            scores.append(sum(c["points"] for c in data["cases"] if c["passed"]) if data else 0)
-            outcomes.append("error" if r["catastrophic"] else r["outcomes"].get(q, "error"))
-        s = pd.Series(scores, dtype=float)
-        rows.append({"question": q, "points": possible, "mean": s.mean(),
-                     "full marks": (s >= possible - 1e-9).mean() if possible else float("nan"),
-                     "errors": outcomes.count("error"), "timeouts": outcomes.count("timeout")})
+        rows.append({"question": q, "points": possible, "mean": one["points"].mean(),
+                     "full marks": (one["points"] >= possible - 1e-9).mean() if possible
+                     else float("nan"),
+                     "errors": int((one["category"] == "error").sum()),
+                     "timeouts": int((one["category"] == "timed out").sum())})
     return pd.DataFrame(rows)
 
 
@@ -97,22 +133,69 @@ def print_table(table):
     Console().print(t)
 
 
-def plot_distribution(out, df, autograder):
+def plot_distribution(out, records, autograder, title=None):
+    """``score_distribution.png``: which questions the class struggled with, and why.
+
+    Left, per question in notebook order, the share of submissions with full marks, partial
+    credit, zero, an error and a timeout (stacked bars); right, the distribution of total
+    scores. Sized to be read as it is: 1100 pixels wide, 190 + 42 per question high (at
+    least 400).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
+    long = per_question(records, autograder)
     questions = in_notebook_order(autograder.points)
-    graded = df[df[SCORES_DICT_FILE_KEY] != "points-per-question"]
-    fig, axes = plt.subplots(1, len(questions) + 1, figsize=(3 * (len(questions) + 1), 3),
-                             squeeze=False)
-    for ax, col in zip(axes[0], [*questions, "percent_correct"]):
-        if col in graded:
-            ax.hist(graded[col].astype(float), bins=10)
-        ax.set_title(col)
-        ax.set_xlabel("score")
-    axes[0][0].set_ylabel("submissions")
+    n = len(records)
+    shares = (long.groupby(["question", "category"]).size().unstack(fill_value=0)
+              .reindex(index=questions, columns=list(CATEGORIES), fill_value=0) / max(n, 1))
+    possible = sum(autograder.points.values())
+    totals = long.groupby("file")["points"].sum().reindex([r["file"] for r in records],
+                                                           fill_value=0.0)
+    percent = 100 * totals / possible if possible else totals * 0
+
+    fig, (bars, hist) = plt.subplots(
+        1, 2, figsize=(11, max(4.0, 1.9 + 0.42 * len(questions))), dpi=100,
+        gridspec_kw={"width_ratios": [2.2, 1]})
+    y = np.arange(len(questions))
+    left = np.zeros(len(questions))
+    for category, colour, label in zip(CATEGORIES, COLOURS, LEGEND):
+        width = shares[category].to_numpy() * 100
+        bars.barh(y, width, left=left, color=colour, edgecolor="white", linewidth=0.6,
+                  label=label, height=0.72)
+        for yi, (l, w) in enumerate(zip(left, width)):
+            if w >= 9:
+                text_colour = "white" if category == "timed out" else "black"
+                bars.text(l + w / 2, yi, f"{w:.0f}%", ha="center", va="center", fontsize=8,
+                          color=text_colour)
+        left += width
+    bars.set_yticks(y, [f"{q}  ({autograder.points[q]:g} pt)" for q in questions], fontsize=9)
+    bars.invert_yaxis()  # q1 at the top, as in the notebook
+    bars.set_xlim(0, 100)
+    bars.set_xlabel("share of submissions (%)")
+    bars.set_title("How each question went", fontsize=11, loc="left")
+    bars.legend(ncols=len(CATEGORIES), loc="upper center", bbox_to_anchor=(0.45, -0.13),
+                frameon=False, fontsize=8, handlelength=1.2, columnspacing=1.0)
+    bars.spines[["top", "right"]].set_visible(False)
+
+    hist.hist(percent, bins=np.linspace(0, 100, 11), color="#0072B2", edgecolor="white")
+    if n:
+        median = float(np.median(percent))
+        hist.axvline(median, color="black", linestyle="--", linewidth=1)
+        hist.text(median, 1.0, f" median {median:.0f}%", transform=hist.get_xaxis_transform(),
+                  ha="right" if median > 60 else "left", va="top", fontsize=8)
+    hist.set_xlim(0, 100)
+    hist.set_xlabel("total score (%)")
+    hist.set_ylabel("submissions")
+    hist.yaxis.get_major_locator().set_params(integer=True)
+    hist.set_title("Total scores", fontsize=11, loc="left")
+    hist.spines[["top", "right"]].set_visible(False)
+    fig.suptitle(title or f"{autograder.assignment_name or 'assignment'}: {n} submission"
+                 f"{'s' if n != 1 else ''}, {possible:g} points", fontsize=12, x=0.01,
+                 ha="left")
     fig.tight_layout()
-    fig.savefig(pathlib.Path(out) / PLOT, dpi=100)
+    fig.savefig(pathlib.Path(out) / PLOT)
     plt.close(fig)
