@@ -181,7 +181,7 @@ class Cgroup:
                     time.sleep(0.1)
 
 
-def bwrap_command(env: pathlib.Path, work: pathlib.Path) -> list[str]:
+def bwrap_command(env: pathlib.Path, work: pathlib.Path, setenv: dict[str, str]) -> list[str]:
     """A private root: the host's system read-only, this run's /autograder, /root and /tmp."""
     cmd = ["bwrap", "--die-with-parent", "--unshare-pid", "--new-session",
            "--proc", "/proc", "--dev", "/dev"]
@@ -194,11 +194,13 @@ def bwrap_command(env: pathlib.Path, work: pathlib.Path) -> list[str]:
     cmd += ["--ro-bind", str(base), str(base), "--ro-bind", str(env), str(env)]
     cmd += ["--setenv", "HOME", "/root", "--setenv", "PATH", f"{env}/bin:/usr/bin:/bin",
             "--chdir", "/autograder"]
+    for name, value in setenv.items():
+        cmd += ["--setenv", name, value]
     return cmd + [str(env / "bin" / "python"), "/autograder/source/run_otter.py"]
 
 
 def grade(lab: str, *, memory: int, cpu: float, wall: float, cache: pathlib.Path,
-          log_dir: pathlib.Path) -> Fit:
+          log_dir: pathlib.Path, setenv: dict[str, str]) -> Fit:
     zip_path = ROOT / "autograder" / f"{lab}-autograder.zip"
     submission = ROOT / "solutions" / lab / f"{lab}.ipynb"
     env = build_env(zip_path, cache)
@@ -222,7 +224,7 @@ def grade(lab: str, *, memory: int, cpu: float, wall: float, cache: pathlib.Path
         try:
             with open(log_path, "w") as log:
                 start = time.perf_counter()
-                proc = subprocess.Popen(bwrap_command(env, work), stdout=log,
+                proc = subprocess.Popen(bwrap_command(env, work, setenv), stdout=log,
                                         stderr=subprocess.STDOUT, preexec_fn=group.enter)
                 sampler.start()
                 try:
@@ -271,6 +273,9 @@ def main() -> None:
     parser.add_argument("--wall", type=float, default=WALL_DEFAULT, help="seconds")
     parser.add_argument("--cache", type=pathlib.Path, default=CACHE_DEFAULT,
                         help="where the environment built from the zip is kept")
+    parser.add_argument("--setenv", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra environment for otter and its kernel (what-if experiments; "
+                             "Gradescope's run_autograder sets none)")
     parser.add_argument("--logs", type=pathlib.Path, default=None,
                         help="folder for each run's output and results.json")
     args = parser.parse_args()
@@ -280,6 +285,9 @@ def main() -> None:
     unknown = sorted(set(args.labs) - set(LABS))
     if unknown:
         parser.error(f"unknown lab {', '.join(unknown)}; expected one of {', '.join(LABS)}")
+    if any("=" not in item for item in args.setenv):
+        parser.error("--setenv takes NAME=VALUE")
+    setenv = dict(item.split("=", 1) for item in args.setenv)
     memory = parse_size(args.memory)
     logs = args.logs or pathlib.Path(tempfile.mkdtemp(prefix="gsfit-logs-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -288,7 +296,7 @@ def main() -> None:
     fits = []
     for lab in args.labs:
         fit = grade(lab, memory=memory, cpu=args.cpu, wall=args.wall, cache=args.cache,
-                    log_dir=logs)
+                    log_dir=logs, setenv=setenv)
         fits.append(fit)
         score = "no result" if fit.score is None else f"{fit.score:g} / {fit.possible:g}"
         print(f"{lab:18s} score {score:>10s}  wall {fit.wall_s:6.1f} s"
