@@ -79,3 +79,13 @@ def test_solution_passes_every_public_check_on_older_jax(lab, older_kernel, tmp_
     failed = {c.source.strip(): check_outputs(c)[:500] for c in checks
               if "passed" not in check_outputs(c)}
     assert not failed, f"public checks that fail on JAX {OLDER_JAX}: {failed}"
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_notebook_names_the_jax_versions_it_was_tested_with(lab):
+    import jax
+
+    text = release_paths(lab)["master"].read_text()
+    for version in (jax.__version__, OLDER_JAX):
+        assert f"JAX {version}" in text, (
+            f"{lab}'s setup section should say it was tested with JAX {version}")
