@@ -200,9 +200,10 @@ def bwrap_command(env: pathlib.Path, work: pathlib.Path, setenv: dict[str, str])
 
 
 def grade(lab: str, *, memory: int, cpu: float, wall: float, cache: pathlib.Path,
-          log_dir: pathlib.Path, setenv: dict[str, str]) -> Fit:
+          log_dir: pathlib.Path, setenv: dict[str, str],
+          submission: pathlib.Path | None = None) -> Fit:
     zip_path = ROOT / "autograder" / f"{lab}-autograder.zip"
-    submission = ROOT / "solutions" / lab / f"{lab}.ipynb"
+    submission = submission or ROOT / "solutions" / lab / f"{lab}.ipynb"
     env = build_env(zip_path, cache)
     evict_page_cache(env)
     with tempfile.TemporaryDirectory(prefix=f"gsfit-{lab}-") as tmp:
@@ -276,6 +277,8 @@ def main() -> None:
     parser.add_argument("--setenv", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment for otter and its kernel (what-if experiments; "
                              "Gradescope's run_autograder sets none)")
+    parser.add_argument("--submission", type=pathlib.Path, default=None,
+                        help="grade this notebook instead of the lab's solution (one lab only)")
     parser.add_argument("--logs", type=pathlib.Path, default=None,
                         help="folder for each run's output and results.json")
     args = parser.parse_args()
@@ -285,6 +288,8 @@ def main() -> None:
     unknown = sorted(set(args.labs) - set(LABS))
     if unknown:
         parser.error(f"unknown lab {', '.join(unknown)}; expected one of {', '.join(LABS)}")
+    if args.submission and (len(args.labs) != 1 or not args.submission.is_file()):
+        parser.error("--submission takes an existing notebook and exactly one LAB")
     if any("=" not in item for item in args.setenv):
         parser.error("--setenv takes NAME=VALUE")
     setenv = dict(item.split("=", 1) for item in args.setenv)
@@ -296,7 +301,7 @@ def main() -> None:
     fits = []
     for lab in args.labs:
         fit = grade(lab, memory=memory, cpu=args.cpu, wall=args.wall, cache=args.cache,
-                    log_dir=logs, setenv=setenv)
+                    log_dir=logs, setenv=setenv, submission=args.submission)
         fits.append(fit)
         score = "no result" if fit.score is None else f"{fit.score:g} / {fit.possible:g}"
         print(f"{lab:18s} score {score:>10s}  wall {fit.wall_s:6.1f} s"
