@@ -68,7 +68,7 @@ class Fit:
     @property
     def fits(self) -> bool:
         return (not self.timed_out and self.score is not None and self.score == self.possible
-                and self.wall_s < self.wall_limit_s)
+                and self.wall_s < min(self.wall_limit_s, WALL_DEFAULT))
 
 
 def pip_requirements(environment_yml: str) -> list[str]:
@@ -293,7 +293,16 @@ def main() -> None:
     if any("=" not in item for item in args.setenv):
         parser.error("--setenv takes NAME=VALUE")
     setenv = dict(item.split("=", 1) for item in args.setenv)
-    memory = parse_size(args.memory)
+    for lab in args.labs:
+        missing = [p for p in (ROOT / "autograder" / f"{lab}-autograder.zip",
+                               args.submission or ROOT / "solutions" / lab / f"{lab}.ipynb")
+                   if not p.is_file()]
+        if missing:
+            parser.error(f"{lab}: {', '.join(map(str, missing))} not found; run `jaxlab release`")
+    try:
+        memory = parse_size(args.memory)
+    except ValueError:
+        parser.error(f"--memory {args.memory!r}: expected a size such as 768M or 1G")
     logs = args.logs or pathlib.Path(tempfile.mkdtemp(prefix="gsfit-logs-"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"limits: memory {memory // MIB or 'none'} MiB, cpu {args.cpu or 'none'}, "
