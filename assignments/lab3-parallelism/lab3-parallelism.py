@@ -78,13 +78,28 @@
 # devices, and the kernel then dies after about 40 seconds with a message like "Expected 8
 # threads to join the rendezvous". Giving XLA more threads avoids that.
 #
+# Finally, on Linux the cell tells the C library to give large freed buffers straight back to the
+# operating system (`mallopt(M_MMAP_THRESHOLD, 128 KiB)`). Without it, the buffers that each
+# training step frees stay reserved by the kernel process, and this notebook needs about 1 GB
+# instead of about 600 MB: more than the 768 MB of a default Gradescope grading container.
+#
 # If this cell tells you that JAX is already running, restart the kernel and run the notebook
 # from the top.
+#
+# Tested with JAX 0.10.2 (the version this lab is graded with) and JAX 0.8.2, on Python 3.11.
+# Newer JAX, such as Colab's, should work too: the lab uses nothing that JAX's changelog lists as
+# deprecated or removed up to JAX 0.11 and the changes announced after it.
 
 # %%
+import ctypes
+import ctypes.util
 import os
 
 os.environ.setdefault("PJRT_NPROC", "16")
+try:  # glibc (Linux) only; elsewhere there is nothing to do
+    ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+except (OSError, AttributeError, TypeError):
+    pass
 
 import jax
 
