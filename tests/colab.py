@@ -23,6 +23,8 @@ ANSWER_MARK = "### Your code here"
 
 FAKE_COLAB = {
     "google/colab/__init__.py": "",
+    # JAX's debugger imports google.colab.output whenever google.colab is loaded
+    "google/colab/output.py": "def eval_js(script, ignore_result=False):\n    return None\n",
     "google/colab/_shell.py": (
         "from ipykernel.zmqshell import ZMQInteractiveShell\n\n\n"
         "class Shell(ZMQInteractiveShell):\n    pass\n"),
