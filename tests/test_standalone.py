@@ -71,3 +71,16 @@ def test_setup_cell_keeps_files_it_did_not_write_and_refreshes_its_own(tmp_path)
     own.write_text(first.splitlines(keepends=True)[0] + "# an older version\n")
     assert _ipython(_setup_source(LAB), tmp_path).returncode == 0
     assert own.read_text() == first
+
+
+def test_setup_cell_writes_nothing_while_otter_grades(tmp_path):
+    """otter's grading (otter run, otter grade, Gradescope) starts with init_grading_mode; the
+    autograder's tests and helpers are then in place and the setup cell leaves the folder alone."""
+    shutil.copy(release_paths(LAB)["student"], tmp_path)
+    proc = _ipython('from otter import Notebook\nNotebook.init_grading_mode("/nonexistent")\n'
+                    + _setup_source(LAB) + "\nprint('grader is', type(grader).__name__)\n",
+                    tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "grader is LabNotebook" in proc.stdout
+    left = {p.name for p in tmp_path.iterdir()} - {"run.ipy", ".OTTER_LOG"}
+    assert left == {f"{LAB}.ipynb"}
