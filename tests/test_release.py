@@ -238,19 +238,26 @@ def test_release_check_keeps_a_committed_badge_current(tmp_path):
 
 
 # --------------------------------------------------------------------------- volatile output
-def test_volatile_normaliser_ignores_emoji_and_timings_only():
-    def nb_with(*texts):
+def test_volatile_normaliser_ignores_emoji_timings_and_stream_splits_only():
+    def nb_with(emoji, timing, bars):
         nb = nbformat.v4.new_notebook()
         cell = nbformat.v4.new_code_cell("x")
         cell.outputs = [nbformat.v4.new_output("execute_result", data={
-            "text/html": f"<p><strong>q1</strong> passed! {texts[0]}</p>",
-            "text/plain": "q1 results: All test cases passed!"}, execution_count=1),
-            nbformat.v4.new_output("stream", name="stdout", text=texts[1])]
+            "text/html": f"<p><strong>q1</strong> passed! {emoji}</p>",
+            "text/plain": "q1 results: All test cases passed!"}, execution_count=1)]
+        cell.outputs += [nbformat.v4.new_output("stream", name="stdout", text=t) for t in timing]
+        cell.outputs += [nbformat.v4.new_output("stream", name="stderr", text=t) for t in bars]
         nb.cells.append(cell)
         return release.without_volatile_output(nb)
 
     timing = "unsharded: {} ms per call\nspeedup:   {}x\nloss {}\n"
-    a = nb_with("\u2728", timing.format("38.1", "0.76", "0.439"))
-    assert a == nb_with("\U0001f680", timing.format("40.7", "0.81", "0.439"))
-    assert a != nb_with("\u2728", timing.format("38.1", "0.76", "0.440"))  # a result, not a time
-    assert a != nb_with("\u2728 failed", timing.format("38.1", "0.76", "0.439"))
+    bar = "\rtraining: {0}%|##| {0}/100 [00:0{1}<00:00, {1}.5it/s]"
+    a = nb_with("\u2728", [timing.format("38.1", "0.76", "0.439")],
+                [bar.format(50, 1), bar.format(100, 2) + "\n"])
+    assert a == nb_with("\U0001f680", ["unsharded: 40.7 ms per call\n", "speedup:   0.81x\nloss 0.439\n"],
+                        [bar.format(30, 3) + bar.format(100, 6) + "\n"])
+    # a result, not a time; a check that failed; a bar that stopped early
+    assert a != nb_with("\u2728", [timing.format("38.1", "0.76", "0.440")], [bar.format(100, 2) + "\n"])
+    assert a != nb_with("\u2728 failed", [timing.format("38.1", "0.76", "0.439")],
+                        [bar.format(100, 2) + "\n"])
+    assert a != nb_with("\u2728", [timing.format("38.1", "0.76", "0.439")], [bar.format(99, 2) + "\n"])

@@ -220,11 +220,16 @@ VOLATILE_OUTPUT = (
     (re.compile(r"(passed! )[^<\s]+(</p>)"), r"\1<emoji>\2"),
     # timings the lab prints ("38.1 ms per call", "speedup:   0.76x")
     (re.compile(r"\d+(?:\.\d+)?(?=(?: ?(?:ms|us|µs|ns|s)\b)|x\b)"), "<number>"),
+    # tqdm's elapsed, remaining and rate: "[00:06<00:00, 17.48it/s]"
+    (re.compile(r"\[[\d:]+<[\d:?]+, *[\d.?]+ ?(?:it/s|s/it)\]"), "[<tqdm>]"),
 )
+_OVERWRITTEN = re.compile(r"[^\n]*\r(?!\n)")  # what a terminal shows: \r overwrites the line
 
 
 def without_volatile_output(nb):
-    """``nb``'s cells (type, source, outputs) with the VOLATILE_OUTPUT parts replaced."""
+    """``nb``'s cells (type, source, outputs) as compared between executions: consecutive
+    stream outputs merged (the kernel splits them by timing), carriage returns applied (tqdm
+    redraws its bar), and the VOLATILE_OUTPUT parts replaced."""
     def scrub(text):
         text = "".join(text) if isinstance(text, list) else text
         for pattern, placeholder in VOLATILE_OUTPUT:
@@ -233,32 +238,23 @@ def without_volatile_output(nb):
 
     cells = []
     for cell in nb.cells:
-        outputs = copy.deepcopy(cell.get("outputs", []))
+        outputs = []
+        for out in copy.deepcopy(cell.get("outputs", [])):
+            if "text" in out:
+                out["text"] = "".join(out["text"]) if isinstance(out["text"], list) else out["text"]
+            if outputs and out.get("output_type") == "stream" == outputs[-1].get("output_type") \
+                    and out.get("name") == outputs[-1].get("name"):
+                outputs[-1]["text"] += out["text"]
+            else:
+                outputs.append(out)
         for out in outputs:
             if "text" in out:
-                out["text"] = scrub(out["text"])
+                out["text"] = scrub(_OVERWRITTEN.sub("", out["text"]))
             for mime in ("text/plain", "text/html"):
                 if mime in out.get("data", {}):
                     out["data"][mime] = scrub(out["data"][mime])
         cells.append((cell.cell_type, cell.source, json.dumps(outputs, sort_keys=True)))
     return cells
-
-
-def otter_run(notebook, autograder, workdir):
-    """Grade ``notebook`` with ``otter run``; returns the tests of its results.json."""
-    out = pathlib.Path(tempfile.mkdtemp(dir=workdir))
-    proc = subprocess.run([sys.executable, "-m", "otter", "run", "--no-logo", "-a",
-                           str(autograder), "-o", str(out), str(notebook)],
-                          capture_output=True, text=True)
-    results = out / "results.json"
-    if not results.exists():
-        raise ReleaseError("otter run produced no results:\n" + (proc.stderr or proc.stdout)[-3000:])
-    return json.loads(results.read_text())["tests"]
-
-
-def question_scores(tests):
-    """{question: (score, possible)} from otter's results tests."""
-    return {t["name"]: (t["score"], t["max_score"]) for t in tests if "max_score" in t}
 
 
 def build(*, root, name, colab_url=None, log=print):
