@@ -257,6 +257,23 @@ def without_volatile_output(nb):
     return cells
 
 
+def otter_run(notebook, autograder, workdir):
+    """Grade ``notebook`` with ``otter run``; returns the tests of its results.json."""
+    out = pathlib.Path(tempfile.mkdtemp(dir=workdir))
+    proc = subprocess.run([sys.executable, "-m", "otter", "run", "--no-logo", "-a",
+                           str(autograder), "-o", str(out), str(notebook)],
+                          capture_output=True, text=True)
+    results = out / "results.json"
+    if not results.exists():
+        raise ReleaseError("otter run produced no results:\n" + (proc.stderr or proc.stdout)[-3000:])
+    return json.loads(results.read_text())["tests"]
+
+
+def question_scores(tests):
+    """{question: (score, possible)} from otter's results tests."""
+    return {t["name"]: (t["score"], t["max_score"]) for t in tests if "max_score" in t}
+
+
 def build(*, root, name, colab_url=None, log=print):
     """Build and write the three releases of assignment ``name`` (``colab_url``: see release)."""
     root = pathlib.Path(root)
