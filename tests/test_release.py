@@ -53,8 +53,7 @@ def _split_master(master):
 def test_student_release_holds_no_solution_code_and_no_hidden_test(lab):
     paths = release_paths(lab)
     student_dir = paths["student"].parent
-    assert sorted(p.name for p in student_dir.iterdir()) == sorted(
-        [paths["student"].name, "jaxlab_form.py"])
+    assert [p.name for p in student_dir.iterdir()] == [paths["student"].name]
     text = "\n".join(p.read_text() for p in student_dir.iterdir())
     solution, given = _split_master(paths["master"])
     leaked = [line for line in solution if len(line) > 12 and line in text and line not in given]
@@ -160,3 +159,105 @@ def test_release_check_exits_non_zero_when_a_committed_release_is_stale(tmp_path
     assert proc.returncode == 1
     assert f"stale: student/{lab}/{lab}.ipynb" in proc.stdout
     assert f"stale: solutions/{lab}/{export.name}" in proc.stdout
+
+
+# --------------------------------------------------------------------------- standalone notebook
+def _setup_files(nb):
+    """{path: text} the student notebook's setup cell writes, by running its payload part."""
+    from jaxlab.release.standalone import MARKER
+
+    source = next(c.source for c in nb.cells if c.source.startswith("#@title Setup"))
+    payload = source[source.index("_install_public_checks({\n") + len("_install_public_checks("):
+                     source.index("\n})\n") + 2]
+    files = ast.literal_eval(payload)
+    for path, text in files.items():
+        first, rest = text.split("\n", 1)
+        assert first.startswith("# Written by the setup cell of "), path
+        files[path] = rest
+    return files
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_setup_cell_carries_the_public_tests_and_form_helpers_from_their_sources(lab):
+    import jaxlab.checks.form
+
+    nb = nbformat.read(release_paths(lab)["student"], as_version=4)
+    files = _setup_files(nb)
+    assert files.pop("jaxlab_form.py") == pathlib.Path(jaxlab.checks.form.__file__).read_text()
+    with zipfile.ZipFile(release_paths(lab)["autograder"]) as zf:
+        shipped = {n: zf.read(n).decode() for n in zf.namelist() if n.startswith("tests/")}
+    assert sorted(files) == sorted(shipped)
+    for path, text in files.items():
+        assert "hidden=False" in text and "hidden=True" not in text, path
+        # each public case is the autograder's case, word for word
+        for case in text.split("@test_case")[1:]:
+            assert "@test_case" + case.rstrip() in shipped[path], path
+
+
+BASE = "https://colab.research.google.com/github/course/labs/blob/main/student"
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_colab_url_adds_a_badge_and_stays_byte_reproducible(lab, tmp_path):
+    from jaxlab.release.standalone import BADGE_IMAGE
+
+    built = []
+    for run in ("plain", "badge-a", "badge-b"):
+        workdir = tmp_path / run
+        workdir.mkdir()
+        student, _, _ = release._generate(ROOT, lab, workdir,
+                                          colab_url=None if run == "plain" else BASE + "/")
+        built.append((student / f"{lab}.ipynb").read_bytes())
+    assert built[1] == built[2]
+    plain = nbformat.reads(built[0].decode(), as_version=4)
+    badged = nbformat.reads(built[1].decode(), as_version=4)
+    assert built[0] == release_paths(lab)["student"].read_bytes()  # no option: nothing changes
+    assert badged.cells[0].source == (
+        f"[![Open In Colab]({BADGE_IMAGE})]({BASE}/{lab}/{lab}.ipynb)")
+    assert [c.source for c in badged.cells[1:]] == [c.source for c in plain.cells]
+
+
+def test_release_check_keeps_a_committed_badge_current(tmp_path):
+    """A course that publishes with a badge: `release --check` (and `make test`) builds with the
+    committed notebook's badge, so it passes; `--colab-url ''` would remove it."""
+    import shutil
+
+    for part in ("assignments", "student", "solutions", "autograder"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    lab = LABS[0]
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    student, _, _ = release._generate(ROOT, lab, workdir, colab_url=BASE)
+    shutil.copy(student / f"{lab}.ipynb", tmp_path / "student" / lab / f"{lab}.ipynb")
+    assert release.committed_colab_url(tmp_path, lab) == BASE
+    assert release.stale_files(root=tmp_path, name=lab) == []
+    assert release.stale_files(root=tmp_path, name=lab, colab_url="") == [
+        f"student/{lab}/{lab}.ipynb"]
+    assert release.stale_files(root=tmp_path, name=lab, colab_url=BASE + "/other") == [
+        f"student/{lab}/{lab}.ipynb"]
+
+
+# --------------------------------------------------------------------------- volatile output
+def test_volatile_normaliser_ignores_emoji_timings_and_stream_splits_only():
+    def nb_with(emoji, timing, bars):
+        nb = nbformat.v4.new_notebook()
+        cell = nbformat.v4.new_code_cell("x")
+        cell.outputs = [nbformat.v4.new_output("execute_result", data={
+            "text/html": f"<p><strong>q1</strong> passed! {emoji}</p>",
+            "text/plain": "q1 results: All test cases passed!"}, execution_count=1)]
+        cell.outputs += [nbformat.v4.new_output("stream", name="stdout", text=t) for t in timing]
+        cell.outputs += [nbformat.v4.new_output("stream", name="stderr", text=t) for t in bars]
+        nb.cells.append(cell)
+        return release.without_volatile_output(nb)
+
+    timing = "unsharded: {} ms per call\nspeedup:   {}x\nloss {}\n"
+    bar = "\rtraining: {0}%|##| {0}/100 [00:0{1}<00:00, {1}.5it/s]"
+    a = nb_with("\u2728", [timing.format("38.1", "0.76", "0.439")],
+                [bar.format(50, 1), bar.format(100, 2) + "\n"])
+    assert a == nb_with("\U0001f680", ["unsharded: 40.7 ms per call\n", "speedup:   0.81x\nloss 0.439\n"],
+                        [bar.format(30, 3) + bar.format(100, 6) + "\n"])
+    # a result, not a time; a check that failed; a bar that stopped early
+    assert a != nb_with("\u2728", [timing.format("38.1", "0.76", "0.440")], [bar.format(100, 2) + "\n"])
+    assert a != nb_with("\u2728 failed", [timing.format("38.1", "0.76", "0.439")],
+                        [bar.format(100, 2) + "\n"])
+    assert a != nb_with("\u2728", [timing.format("38.1", "0.76", "0.439")], [bar.format(99, 2) + "\n"])

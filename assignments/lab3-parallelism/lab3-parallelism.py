@@ -25,7 +25,7 @@
 #   ok_format: false
 # export_cell:
 #   pdf: false
-#   instructions: "Upload the zip file this cell makes to the course's submission page."
+#   instructions: "Upload the zip file this cell makes to the course's submission page. On Google Colab, which cannot make the zip, this cell instead tells you to submit the notebook itself: *File → Download → Download .ipynb*, then upload that file."
 # check_all_cell: false
 
 # %% [markdown]
@@ -281,7 +281,7 @@ def test_q1_device_put(A_sharded):
 A_sharded_devices = A_sharded.devices()  # SOLUTION
 A_shard_shape = A_sharded.sharding.shard_shape(A_sharded.shape)  # SOLUTION
 # BEGIN SOLUTION NO PROMPT
-print(A_sharded_devices)
+print(sorted(A_sharded_devices, key=lambda d: d.id))  # a set prints in no fixed order
 print(A_shard_shape)
 print(A_sharded.sharding)
 # END SOLUTION

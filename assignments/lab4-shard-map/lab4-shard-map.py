@@ -25,7 +25,7 @@
 #   ok_format: false
 # export_cell:
 #   pdf: false
-#   instructions: "Upload the zip file this cell makes to the course's submission page."
+#   instructions: "Upload the zip file this cell makes to the course's submission page. On Google Colab, which cannot make the zip, this cell instead tells you to submit the notebook itself: *File → Download → Download .ipynb*, then upload that file."
 # check_all_cell: false
 
 # %% [markdown]

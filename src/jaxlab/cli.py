@@ -15,12 +15,15 @@ def main():
               help="Exit non-zero if the committed releases differ from what the masters build.")
 @click.option("--root", type=click.Path(exists=True, file_okay=False), default=".",
               show_default=True, help="Repository root holding assignments/.")
+@click.option("--colab-url", default=None, metavar="BASE_URL",
+              help="Put an 'Open in Colab' badge linking to BASE_URL/<lab>/<lab>.ipynb in each "
+                   "student notebook ('' removes it; default: keep what student/ has).")
 @click.argument("names", nargs=-1)
-def release(check, root, names):
+def release(check, root, colab_url, names):
     """Build student/, solutions/ and autograder/ from the masters in assignments/."""
     from .release import release as run_release
 
-    ok = run_release(root=root, names=list(names) or None, check=check)
+    ok = run_release(root=root, names=list(names) or None, check=check, colab_url=colab_url)
     sys.exit(0 if ok else 1)
 
 

@@ -5,9 +5,11 @@ order and dates, a stable zip name), executes the solution notebook with outputs
 to write a release whose solution does not score full marks under ``otter run``.
 """
 
+import copy
 import hashlib
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from importlib import resources
 
 import nbformat
 import yaml
+
+from .standalone import colab_url_of, make_standalone, public_files
 
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 SUPPORT_PREFIX = "jaxlab_"
@@ -31,24 +35,27 @@ def assignment_names(root):
                   if (p / f"{p.name}.ipynb").is_file())
 
 
-def release(*, root=".", names=None, check=False, log=print):
+def release(*, root=".", names=None, check=False, colab_url=None, log=print):
     """Build (or with ``check``, compare) the releases of ``names`` (default: every master).
 
-    Returns True when everything was built, or with ``check`` when everything is current.
+    ``colab_url``: BASE_URL for an "Open in Colab" badge pointing at
+    ``BASE_URL/<lab>/<lab>.ipynb``; None keeps what the committed student notebook has (a badge
+    or none), "" removes it. Returns True when everything was built, or with ``check`` when
+    everything is current.
     """
     root = pathlib.Path(root).resolve()
     ok = True
     for name in names or assignment_names(root):
         try:
             if check:
-                stale = stale_files(root=root, name=name)
+                stale = stale_files(root=root, name=name, colab_url=colab_url)
                 for path in stale:
                     log(f"{name}: stale: {path}")
                 ok &= not stale
                 if not stale:
                     log(f"{name}: releases are current")
             else:
-                build(root=root, name=name, log=log)
+                build(root=root, name=name, colab_url=colab_url, log=log)
         except ReleaseError as exc:
             log(f"{name}: {exc}")
             ok = False
@@ -140,33 +147,114 @@ def write_stable_zip(src_zip, dest):
     tmp.replace(dest)
 
 
-def _generate(root, name, workdir):
-    """otter assign output for ``name`` in ``workdir``, normalised: (student dir, zip, solution)."""
+def committed_colab_url(root, name):
+    """The badge BASE_URL of the committed student notebook of ``name``, or None."""
+    path = pathlib.Path(root) / "student" / name / f"{name}.ipynb"
+    return colab_url_of(nbformat.read(path, as_version=4), path.name) if path.exists() else None
+
+
+def _resolve_colab_url(root, name, colab_url):
+    return committed_colab_url(root, name) if colab_url is None else (colab_url or None)
+
+
+def _generate(root, name, workdir, *, colab_url=None):
+    """otter assign output for ``name`` in ``workdir``, normalised: (student dir, zip, solution).
+
+    The student dir holds only the notebook: its setup cell carries the public tests and the
+    support files otter would have put beside it.
+    """
     master = _stage(root, name, workdir)
     dist = workdir / "dist"
     _assign(master, dist)
     student = dist / "student"
-    for nb_path in student.glob("*.ipynb"):
-        write_notebook(normalise_notebook(nbformat.read(nb_path, as_version=4)), nb_path)
+    notebook = f"{name}.ipynb"
+    support = {}
+    for path in sorted(student.iterdir()):
+        if path.name != notebook:
+            if not path.is_file():
+                raise ReleaseError(f"otter assign put a folder {path.name} in student/")
+            support[path.name] = path.read_text()
+            path.unlink()
+    nb_path = student / notebook
+    nb = nbformat.read(nb_path, as_version=4)
+    files = public_files(nb, support)
+    write_notebook(normalise_notebook(make_standalone(nb, notebook, files, colab_url=colab_url)),
+                   nb_path)
     zips = list((dist / "autograder").glob("*.zip"))
     if len(zips) != 1:
         raise ReleaseError(f"otter assign made {len(zips)} autograder zips")
     stable = workdir / f"{name}-autograder.zip"
     write_stable_zip(zips[0], stable)
-    solution = normalise_notebook(nbformat.read(dist / "autograder" / f"{name}.ipynb",
-                                                as_version=4))
+    solution = nbformat.read(dist / "autograder" / notebook, as_version=4)
+    solution = normalise_notebook(make_standalone(solution, notebook, files))
     return student, stable, solution
 
 
+SKIP_TAG = "skip-execution"  # nbclient's default skip_cells_with_tag
+
+
 def _execute(nb, cwd, timeout=900):
+    """Execute ``nb`` in ``cwd``, all but its export cell: there it would zip the blank student
+    notebook lying in ``cwd`` and grade it again, which says nothing and takes a while."""
     from nbclient import NotebookClient
 
+    export = [c for c in nb.cells if c.cell_type == "code" and "grader.export(" in c.source]
+    for cell in export:
+        cell.metadata.setdefault("tags", []).append(SKIP_TAG)
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={
         "metadata": {"path": str(cwd)}}).execute()
+    for cell in export:
+        cell.metadata["tags"].remove(SKIP_TAG)
+        if not cell.metadata["tags"]:
+            del cell.metadata["tags"]
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.metadata.pop("execution", None)
     return nb
+
+
+# Output that changes from one execution of an unchanged notebook to the next. Each pattern is
+# replaced by a placeholder before comparing a fresh solution with the committed one.
+VOLATILE_OUTPUT = (
+    # otter ends each passed check's HTML with an emoji picked at random
+    (re.compile(r"(passed! )[^<\s]+(</p>)"), r"\1<emoji>\2"),
+    # timings the lab prints ("38.1 ms per call", "speedup:   0.76x")
+    (re.compile(r"\d+(?:\.\d+)?(?=(?: ?(?:ms|us|µs|ns|s)\b)|x\b)"), "<number>"),
+    # tqdm's elapsed, remaining and rate: "[00:06<00:00, 17.48it/s]"
+    (re.compile(r"\[[\d:]+<[\d:?]+, *[\d.?]+ ?(?:it/s|s/it)\]"), "[<tqdm>]"),
+)
+_OVERWRITTEN = re.compile(r"[^\n]*\r(?!\n)")  # what a terminal shows: \r overwrites the line
+
+
+def without_volatile_output(nb):
+    """``nb``'s cells (type, source, outputs) as compared between executions: consecutive
+    stream outputs merged (the kernel splits them by timing), carriage returns applied (tqdm
+    redraws its bar), and the VOLATILE_OUTPUT parts replaced."""
+    def scrub(text):
+        text = "".join(text) if isinstance(text, list) else text
+        for pattern, placeholder in VOLATILE_OUTPUT:
+            text = pattern.sub(placeholder, text)
+        return text
+
+    cells = []
+    for cell in nb.cells:
+        outputs = []
+        for out in copy.deepcopy(cell.get("outputs", [])):
+            if "text" in out:
+                out["text"] = "".join(out["text"]) if isinstance(out["text"], list) else out["text"]
+            if outputs and out.get("output_type") == "stream" == outputs[-1].get("output_type") \
+                    and out.get("name") == outputs[-1].get("name"):
+                outputs[-1]["text"] += out["text"]
+            else:
+                outputs.append(out)
+        for out in outputs:
+            if "text" in out:
+                out["text"] = scrub(_OVERWRITTEN.sub("", out["text"]))
+            for mime in ("text/plain", "text/html"):
+                if mime in out.get("data", {}):
+                    out["data"][mime] = scrub(out["data"][mime])
+        cells.append((cell.cell_type, cell.source, json.dumps(outputs, sort_keys=True)))
+    return cells
 
 
 def otter_run(notebook, autograder, workdir):
@@ -186,13 +274,14 @@ def question_scores(tests):
     return {t["name"]: (t["score"], t["max_score"]) for t in tests if "max_score" in t}
 
 
-def build(*, root, name, log=print):
-    """Build and write the three releases of assignment ``name``."""
+def build(*, root, name, colab_url=None, log=print):
+    """Build and write the three releases of assignment ``name`` (``colab_url``: see release)."""
     root = pathlib.Path(root)
+    colab_url = _resolve_colab_url(root, name, colab_url)
     with tempfile.TemporaryDirectory(prefix=f"jaxlab-{name}-") as tmp:
         workdir = pathlib.Path(tmp)
-        log(f"{name}: otter assign")
-        student, zip_path, solution = _generate(root, name, workdir)
+        log(f"{name}: otter assign" + (f" (Colab badge: {colab_url})" if colab_url else ""))
+        student, zip_path, solution = _generate(root, name, workdir, colab_url=colab_url)
         log(f"{name}: executing the solution notebook")
         run_dir = workdir / "run"
         shutil.copytree(student, run_dir)
@@ -206,8 +295,17 @@ def build(*, root, name, log=print):
             raise ReleaseError(f"the solution does not score full marks: {short or 'no scores'}")
         total = sum(p for _, p in scores.values())
         log(f"{name}: solution scores {total:g}/{total:g} on {len(scores)} questions")
-        _install(student, root / "student" / name)
         sol_dir = root / "solutions" / name
+        committed = sol_dir / f"{name}.ipynb"
+        keep = committed.exists() and without_volatile_output(
+            nbformat.read(committed, as_version=4)) == without_volatile_output(solution)
+        if keep:
+            kept = workdir / "kept.ipynb"
+            shutil.copy(committed, kept)
+            solved = kept
+            log(f"{name}: the executed solution differs from the committed one only in "
+                "volatile output (emoji, timings): kept the committed file")
+        _install(student, root / "student" / name)
         _install(student, sol_dir)
         shutil.copy(solved, sol_dir / f"{name}.ipynb")
         (root / "autograder").mkdir(exist_ok=True)
@@ -227,13 +325,18 @@ def _sources(path):
     return [(c.cell_type, c.source) for c in nb.cells]
 
 
-def stale_files(*, root, name):
-    """Committed release files that differ from what the master builds now."""
+def stale_files(*, root, name, colab_url=None):
+    """Committed release files that differ from what the master builds now.
+
+    The build uses the committed student notebook's Colab badge URL unless ``colab_url`` says
+    otherwise, so a course that publishes with a badge stays current.
+    """
     root = pathlib.Path(root)
     stale = []
+    colab_url = _resolve_colab_url(root, name, colab_url)
     with tempfile.TemporaryDirectory(prefix=f"jaxlab-{name}-") as tmp:
         workdir = pathlib.Path(tmp)
-        student, zip_path, solution = _generate(root, name, workdir)
+        student, zip_path, solution = _generate(root, name, workdir, colab_url=colab_url)
         built = {p.relative_to(student): p.read_bytes() for p in student.rglob("*") if p.is_file()}
         committed_dir = root / "student" / name
         committed = {p.relative_to(committed_dir): p.read_bytes()
