@@ -55,28 +55,12 @@ def test_the_kernel_reports_colab_and_the_setup_cell_installed_otter(ran, python
     assert sorted(p.stem for p in (folder / "tests").glob("*.py")) == sorted(_questions(lab))
 
 
-def _graded_names(lab):
-    checks = importlib.import_module(f"jaxlab.checks.{lab.split('-')[0]}")
-    return {n for spec in checks.QUESTIONS.values() for n in spec.names}
-
-
 def test_no_cell_raises(ran):
-    """With the solution's answers nothing raises. Blank, only the lab's own demo cells that use
-    a task's still-blank answer (``A_sharded = ...``) may; never the setup, check or export
-    cells."""
-    import ast
-
+    """Blank or answered, no cell raises: Colab's *Run all* stops at the first error, so a raising
+    demo cell after an open task would keep a student from every later check. (The lab's demo
+    cells wait for the answers they use with ``answered(...)``.)"""
     lab, kind, nb, folder = ran
-    errors = colab.errors(nb)
-    if kind == SOLUTION_ANSWERS:
-        assert errors == []
-        return
-    graded = _graded_names(lab)
-    for i, error in errors:
-        source = nb.cells[i].source
-        reads = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
-        assert reads & graded, (i, error, source)
-        assert "grader" not in reads and not source.startswith("#@title"), (i, error, source)
+    assert colab.errors(nb) == []
 
 
 def test_every_public_check_passes_with_the_solution_answers_and_fails_blank(ran):
