@@ -648,6 +648,9 @@ def _timing_method(run):
         _fail(f"{test}; it raised {run['error']} ({run['where']}). It should call f(x) a few "
               f"times (at most {TIMING_MAX_CALLS}) and return the seconds per call.")
     out = run["output"]
+    if out["kind"] in ("none", "ellipsis"):
+        _fail(f"`seconds_per_call` is not defined yet (it returns {form.describe(out)}): write "
+              "its body in the cell under '### Your code here' and run it.")
     if out["kind"] != "number" or not math.isfinite(out["value"]):
         _fail(f"{test}; it returned {form.describe(out)}; expected the seconds per call "
               "(a float).")
@@ -660,6 +663,7 @@ def _timing_method(run):
         # what the student most likely measured, by the nearest of the usual slips
         k = max(n - 1, 1)
         slips = {"counts the first (compiling) call": (first + k * step) / k,
+                 "is in milliseconds rather than seconds": 1000 * step,
                  "is not divided by the number of calls": k * step,
                  "counts the first call and is not divided by the number of calls":
                      first + k * step}

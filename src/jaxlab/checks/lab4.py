@@ -424,6 +424,15 @@ def _body(fresh):
     return [step for sm in fresh["program"]["shard_maps"] for step in sm["body"]]
 
 
+def _one_scalar_collective(name, fresh, words):
+    moves = [(prim, shapes) for prim, shapes in _body(fresh) if prim in COMMUNICATION]
+    if len(moves) != 1 or moves[0][1] != [[]]:
+        found = ", ".join(f"`{p}` of an array of shape {tuple(s[0]) if s else ()}"
+                          for p, s in moves) or "none"
+        _fail(f"`{name}` communicates {len(moves)} time(s) inside its shard_map ({found}); "
+              f"the task says {words}.")
+
+
 def _jitted(name, fresh):
     program = fresh["program"]
     if not form.is_jit_wrapped(program):
@@ -505,11 +514,8 @@ def _q2(ev):
     _on_8_devices("global_sum(x)", out, (), "replicated")
     _operand_layout("global_sum", fresh["program"], fresh["x"].shape, "x", 0,
                     "x is sharded over `mesh` (spec P('i'))")
-    moves = [prim for prim, _ in _body(fresh) if prim in COMMUNICATION]
-    if len(moves) != 1:
-        _fail(f"`global_sum` communicates {len(moves)} times inside its shard_map "
-              f"({', '.join(moves)}); the task says one collective adds up the eight partial "
-              "sums.")
+    _one_scalar_collective("global_sum", fresh, "each device sums its own block, and one "
+                           "collective adds up the eight partial sums (scalars)")
 
 
 MATMUL_LAYOUTS = {  # lhs layout in words: (dimension of lhs split, spec)
@@ -560,6 +566,12 @@ def _matmul_verdict(question):
         _operand_layout(name, fresh["program"], rhs.shape, "rhs", 0, "rhs is sharded by rows (P('i', None))")
         if question in MATMUL_ORDER:
             _order(name, fresh, *MATMUL_ORDER[question])
+        if question == "q3_matmul_allgather":
+            for prim, shapes in _body(fresh):
+                if prim in COLLECTIVES["all_gather"] and np.prod(shapes[0]) != rhs.size:
+                    _fail(f"`{name}` gathers an array of shape {tuple(shapes[0])} with "
+                          f"all_gather; the task says to gather rhs (shape {rhs.shape}), then "
+                          "multiply locally.")
         _jitted(name, fresh)
     return verdict_fn
 
@@ -637,13 +649,8 @@ def _dp_method(name, fresh):
     for shape in WEIGHTS + BIASES:
         _operand_layout(name, fresh["program"], shape, "a parameter", None,
                         "the parameters are replicated (P())")
-    steps = _body(fresh)
-    moves = [(prim, shapes) for prim, shapes in steps if prim in COMMUNICATION]
-    if len(moves) != 1 or moves[0][1] != [[]]:
-        found = ", ".join(f"`{p}` of shape {tuple(s[0]) if s else ()}" for p, s in moves)
-        _fail(f"`{name}` communicates {len(moves)} time(s) inside its shard_map ({found}); the "
-              "task says the losses of the devices are combined with one scalar collective "
-              "(one pmean or psum of the local loss).")
+    _one_scalar_collective(name, fresh, "the losses of the devices are combined with one "
+                           "scalar collective (one pmean or psum of the local loss)")
 
 
 def _fsdp_method(name, fresh):
