@@ -644,6 +644,10 @@ def _timing_method(run):
     test = (f"`{call}` was tried on a function f whose first call takes {first:.2g} s (as "
             f"compiling does) and whose every later call returns at once with a result that is "
             f"ready {step * 1e3:.0f} ms later (as JAX's asynchronous dispatch does)")
+    if run.get("error", "").startswith("_TooManyCalls"):
+        _fail(f"{test}; it called f more than {TIMING_MAX_CALLS} times. It should call f a few "
+              f"times (at most {TIMING_MAX_CALLS}, as the task says) and return the seconds "
+              "per call.")
     if "error" in run:
         _fail(f"{test}; it raised {run['error']} ({run['where']}). It should call f(x) a few "
               f"times (at most {TIMING_MAX_CALLS}) and return the seconds per call.")

@@ -430,7 +430,7 @@ def _one_scalar_collective(name, fresh, words):
         found = ", ".join(f"`{p}` of an array of shape {tuple(s[0]) if s else ()}"
                           for p, s in moves) or "none"
         _fail(f"`{name}` communicates {len(moves)} time(s) inside its shard_map ({found}); "
-              f"the task says {words}.")
+              f"expected what the task says: {words}.")
 
 
 def _jitted(name, fresh):
@@ -453,8 +453,8 @@ def _order(name, fresh, first, then, words):
         if prim in first:
             seen = True
         elif prim in then and not seen:
-            _fail(f"`{name}` runs `{prim}` before any `{first[0]}` in its shard_map; the task "
-                  f"says {words}.")
+            _fail(f"`{name}` runs `{prim}` before any `{first[0]}` in its shard_map; expected "
+                  f"what the task says: {words}.")
 
 
 def _array_out(call, out, shape):
@@ -570,8 +570,8 @@ def _matmul_verdict(question):
             for prim, shapes in _body(fresh):
                 if prim in COLLECTIVES["all_gather"] and np.prod(shapes[0]) != rhs.size:
                     _fail(f"`{name}` gathers an array of shape {tuple(shapes[0])} with "
-                          f"all_gather; the task says to gather rhs (shape {rhs.shape}), then "
-                          "multiply locally.")
+                          f"all_gather; expected what the task says: gather rhs (shape "
+                          f"{rhs.shape}), then multiply locally.")
         _jitted(name, fresh)
     return verdict_fn
 
@@ -668,8 +668,9 @@ def _fsdp_method(name, fresh):
             products += 1
             if gathered > 2 * products:
                 _fail(f"`{name}` has gathered {gathered} arrays with all_gather before its "
-                      f"matrix product number {products}; the task says to gather each W and "
-                      "b just before it is used (layer by layer), not all parameters up front.")
+                      f"matrix product number {products}; expected what the task says: gather "
+                      "each W and b just before it is used (layer by layer), not all "
+                      "parameters up front.")
 
 
 def _tp_method(name, fresh):
@@ -693,8 +694,8 @@ def _tp_method(name, fresh):
             pending = False
     if pending:
         _fail(f"`{name}` has a matrix product inside jax.shard_map that is not followed by "
-              "psum_scatter before the next one; the task says every layer is a local matrix "
-              "product followed by jax.lax.psum_scatter.")
+              "psum_scatter before the next one; expected what the task says: every layer is a "
+              "local matrix product followed by jax.lax.psum_scatter.")
 
 
 LOSS_METHODS = {"q7_loss_dp": _dp_method, "q8_loss_fsdp": _fsdp_method, "q9_loss_tp": _tp_method}
@@ -768,10 +769,10 @@ def _q10(ev):
                 or not form.is_laid_out_as(sev, len(item["shape"]), P()):
             where = (f"lives {form.describe_sharding(sev)}" if item["kind"] == "array"
                      else f"is {form.describe(item)}, not a jax.Array")
-            _fail(f"`params_trained.{field}` {where}; the task defines `params_trained` "
-                  "as what train(update, params_replicated, xs_sharded, ys_sharded) returns, "
-                  f"which is replicated on the {N_DEVICES} devices of mesh_dp. A copy of the "
-                  "single-device result is not the output of the sharded run.")
+            _fail(f"`params_trained.{field}` {where}; expected it replicated on the "
+                  f"{N_DEVICES} devices of mesh_dp, as the task defines `params_trained`: what "
+                  "train(update, params_replicated, xs_sharded, ys_sharded) returns. A copy of "
+                  "the single-device result is not the output of the sharded run.")
 
 
 QUESTIONS = {
