@@ -418,4 +418,4 @@ def expect_operands_split(name, program, shape, what, dim, wanted):
                  " and ".join(f"split along dimension {d}" for d in split))
         raise AssertionError(
             f"`{name}` hands {what} (shape {tuple(shape)}) to jax.shard_map {found} (in_specs "
-            f"{spec_repr(spec) if spec else 'P()'}); the task says {wanted}.")
+            f"{spec_repr(spec) if spec else 'P()'}); expected what the task says: {wanted}.")
