@@ -1,5 +1,9 @@
 """The Lab 3 verdicts accept the lab's answers and explain wrong ones in the student's terms."""
 
+import functools
+import re
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,10 +131,94 @@ def test_q3_accepts_equivalent_spec_keys_and_rejects_wrong_counts():
     assert msg.startswith("`replicas[P(None, 'y')]` is the number 4")
 
 
+def good_timer(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeats
+
+
+def timer_without_warmup(fn, *args, repeats=10):
+    start = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeats
+
+
+def timer_without_block(fn, *args, repeats=10):
+    fn(*args)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(*args)
+    return (time.perf_counter() - start) / repeats
+
+
+def timer_blocking_last_result_only(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+@pytest.mark.parametrize("timer", [good_timer, timer_blocking_last_result_only,
+                                   functools.partial(good_timer, repeats=60)])
+def test_q9_timing_method_accepts_warm_blocked_averages(timer):
+    assert lab3._timing_method(lab3._timing_runs(timer)[-1]) is None
+
+
+@pytest.mark.parametrize("timer, words", [
+    (timer_without_warmup, "counts the first (compiling) call"),
+    (functools.partial(timer_without_warmup, repeats=60), "counts the first (compiling) call"),
+    (timer_without_block, "jax.block_until_ready inside the timed region"),
+])
+def test_q9_timing_method_recognises_each_slip(timer, words):
+    with pytest.raises(AssertionError, match=re.escape(words)):
+        lab3._timing_method(lab3._timing_runs(timer)[-1])
+
+
 def test_q9_rejects_timings_without_block_until_ready():
-    msg = verdict_message("q9_timing", time_unsharded=2e-5, time_sharded=3e-5)
+    msg = verdict_message("q9_timing", seconds_per_call=good_timer, time_unsharded=2e-5,
+                          time_sharded=3e-5)
     assert msg.startswith("`time_unsharded` is 2e-05 s per call")
     assert "jax.block_until_ready" in msg
+
+
+def q4_values(b_spec, c_spec):
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:8])
+    B = put(jnp.arange(32.0).reshape(4, 8), mesh, *b_spec)
+    C = put(jnp.ones((4, 8)), mesh, *c_spec)
+    return dict(B=B, C=C, B_plus_C=B + C, BtC=B.T @ C)
+
+
+@pytest.mark.parametrize("b_spec", [("x", None), (None, "x")])
+@pytest.mark.parametrize("c_spec", [(None, "y"), ("y", None)])
+def test_q4_accepts_either_dimension_split(b_spec, c_spec):
+    assert verdict_message("q4_propagation", **q4_values(b_spec, c_spec)) is None
+
+
+def test_q4_rejects_an_array_split_over_both_axes():
+    msg = verdict_message("q4_propagation", **q4_values(("x", "y"), (None, "y")))
+    assert msg.startswith("`B` is dimension 0 split 2 ways over mesh axis 'x'")
+
+
+def test_q7_rejects_replicated_rows_read_from_the_program():
+    m = mesh1d(8, name="batch")
+
+    def per_device(x, W, b):  # every device holds all of x and picks its rows itself
+        i = jax.lax.axis_index("batch")
+        rows = x.shape[0] // 8
+        return layer(jax.lax.dynamic_slice_in_dim(x, i * rows, rows), W, b)
+
+    layer_manual = jax.jit(jax.shard_map(per_device, mesh=m, in_specs=(P(), P(), P()),
+                                         out_specs=P("batch")))
+    x, W, b = map(jnp.asarray, lab3._layer_data())
+    msg = verdict_message("q7_dp_manual", layer_manual=layer_manual,
+                          out_man=layer_manual(x, W, b))
+    assert msg.startswith("`layer_manual` hands x (shape (64, 10)) to jax.shard_map replicated")
 
 
 def test_every_contract_question_is_registered_with_its_names():
@@ -145,5 +233,5 @@ def test_every_contract_question_is_registered_with_its_names():
         "q7_dp_manual": ("layer_manual", "out_man"),
         "q8_sharded_training": ("x_train_sharded", "y_train_sharded", "params_replicated",
                                 "params_trained_sharded"),
-        "q9_timing": ("time_unsharded", "time_sharded"),
+        "q9_timing": ("seconds_per_call", "time_unsharded", "time_sharded"),
     }

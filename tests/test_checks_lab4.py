@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxlab.checks import lab4
 
@@ -238,9 +238,10 @@ def make_update(pmean_grads):
     return update
 
 
-def trained():
+def trained(replicated=True):
     w, b = lab4._trained_reference()
-    return lab4.Params(jnp.float32(w), jnp.float32(b))
+    params = lab4.Params(jnp.float32(w), jnp.float32(b))
+    return jax.device_put(params, NamedSharding(BATCH, P())) if replicated else params
 
 
 def test_q10_accepts_the_grad_of_pmean():
@@ -259,6 +260,68 @@ def test_q10_rejects_untrained_params():
     msg = verdict_message("q10_dp_training", update=make_update(False),
                           params_trained=lab4.Params(jnp.float32(w), jnp.float32(b)))
     assert msg.startswith("`params_trained.weight` has the wrong values")
+
+
+def test_q10_rejects_a_copy_of_the_single_device_result():
+    msg = verdict_message("q10_dp_training", update=make_update(False),
+                          params_trained=trained(replicated=False))
+    assert msg.startswith("`params_trained.weight` lives on a single device")
+    assert "output of the sharded run" in msg
+
+
+def test_q10_requires_jit():
+    msg = verdict_message("q10_dp_training", update=make_update(False).__wrapped__,
+                          params_trained=trained())
+    assert msg.startswith("`update` is not wrapped in jax.jit")
+
+
+# --------------------------------------------------------------------------- requirements
+def test_q7_rejects_a_replicated_batch():
+    def loss_dp(params, batch):
+        f = jax.shard_map(lambda p, b: lax.pmean(lab4._loss(p, b), "batch"), mesh=BATCH,
+                          in_specs=(P(), P()), out_specs=P())
+        return f(params, batch)
+
+    msg = verdict_message("q7_loss_dp", loss_dp=loss_dp)
+    assert msg.startswith("`loss_dp` hands the inputs of the batch (shape (64, 784)) to "
+                          "jax.shard_map replicated on every device (in_specs P())")
+
+
+def fsdp_loss(up_front):
+    def local(params, batch):
+        gather = partial(lax.all_gather, axis_name="batch", tiled=True)
+        if up_front:
+            return lax.pmean(lab4._loss(jax.tree.map(gather, params), batch), "batch")
+        x, targets = batch
+        for W, b in params:
+            out = x @ gather(W) + gather(b)
+            x = jax.nn.relu(out)
+        return lax.pmean(jnp.mean(jnp.sum((out - targets) ** 2, axis=-1)), "batch")
+
+    return lambda params, batch: jax.shard_map(local, mesh=BATCH, in_specs=P("batch"),
+                                               out_specs=P())(params, batch)
+
+
+def test_q8_accepts_gathering_each_layer_just_before_use():
+    assert verdict_message("q8_loss_fsdp", loss_fsdp=fsdp_loss(up_front=False)) is None
+
+
+def test_q8_rejects_gathering_all_parameters_up_front():
+    msg = verdict_message("q8_loss_fsdp", loss_fsdp=fsdp_loss(up_front=True))
+    assert msg.startswith("`loss_fsdp` has gathered 12 arrays with all_gather before its matrix "
+                          "product number 1")
+
+
+def test_q3_rejects_a_shard_map_without_jit():
+    @partial(jax.shard_map, mesh=MESH, in_specs=(ROWS, ROWS), out_specs=ROWS)
+    def matmul_allgather(lhs, rhs):
+        return lhs @ lax.all_gather(rhs, "i", tiled=True)
+
+    msg = verdict_message("q3_matmul_allgather", matmul_allgather=matmul_allgather)
+    assert msg.startswith("`matmul_allgather` is not wrapped in jax.jit: traced as you wrote "
+                          "it, its program runs `shard_map` at the top level")
+    assert verdict_message("q3_matmul_allgather",
+                           matmul_allgather=jax.jit(matmul_allgather)) is None
 
 
 def test_every_contract_question_is_registered_with_its_names():

@@ -469,7 +469,8 @@ if answered(A_sharded):
 # %% [markdown]
 # **Task 4** (`q4_propagation`). Create two arrays `B` and `C` of shape 4 × 8 (any values) on
 # `mesh`: `B` split along the mesh axis `x` and replicated along `y`, `C` split along `y` and
-# replicated along `x`. Then compute `B_plus_C = B + C` and `BtC = B.T @ C`.
+# replicated along `x` (you choose which dimension of each array is the split one). Then
+# compute `B_plus_C = B + C` and `BtC = B.T @ C`.
 #
 # Before you look at the result: what sharding do you expect for `B + C`, and for the matrix
 # product `B.T @ C`? Check your guess with `visualize_array_sharding` or the `sharding`
@@ -1103,15 +1104,19 @@ plt.show()
 # %% [markdown]
 # **Task 9** (`q9_timing`). How long does one call of `grad_loss` take on the unsharded data
 # (`params`, `x_train`, `y_train`) and on the sharded data (`params_replicated`,
-# `x_train_sharded`, `y_train_sharded`)? Store the seconds per call as `time_unsharded` and
-# `time_sharded` (floats).
+# `x_train_sharded`, `y_train_sharded`)?
 #
-# Time it properly:
+# * `seconds_per_call(fn, *args)`: a function that returns the seconds one call `fn(*args)`
+#   takes (a float), timed properly:
+#   * call `fn` once before timing, so that compilation is not counted;
+#   * JAX returns before the computation has finished (asynchronous dispatch), so wait for the
+#     result with `jax.block_until_ready` inside the timed region;
+#   * average over several calls, at most 100 (`time.perf_counter` or `timeit`).
 #
-# * call the function once before timing, so that compilation is not counted;
-# * JAX returns before the computation has finished (asynchronous dispatch), so wait for the
-#   result with `jax.block_until_ready` inside the timed region;
-# * average over several calls (`time.perf_counter` or `timeit`).
+#   The hidden checks also try it on other functions whose first call is slow and whose result
+#   is ready only some time after the call returns.
+# * `time_unsharded`, `time_sharded`: the seconds per call of `grad_loss` on the unsharded and
+#   on the sharded data, measured with your `seconds_per_call`.
 #
 # With 8 TPUs or GPUs the sharded call is several times faster. On a CPU it is usually slower,
 # for the reason given above the training code.
@@ -1121,19 +1126,19 @@ plt.show()
 
 # %%
 ### Your code here
-# BEGIN SOLUTION NO PROMPT
 import time
 
 
 def seconds_per_call(fn, *args, repeats=10):
+    # BEGIN SOLUTION
     jax.block_until_ready(fn(*args))  # compile and warm up
     start = time.perf_counter()
     for _ in range(repeats):
         jax.block_until_ready(fn(*args))
     return (time.perf_counter() - start) / repeats
+    # END SOLUTION
 
 
-# END SOLUTION
 time_unsharded = seconds_per_call(grad_loss, params, x_train, y_train)  # SOLUTION
 time_sharded = seconds_per_call(grad_loss, params_replicated, x_train_sharded, y_train_sharded)  # SOLUTION
 # BEGIN SOLUTION NO PROMPT
@@ -1152,8 +1157,9 @@ print(f"speedup:   {time_unsharded / time_sharded:.2f}x")
 """ # BEGIN TEST CONFIG
 points: 0
 """ # END TEST CONFIG
-def test_q9_form(time_unsharded, time_sharded):
+def test_q9_form(seconds_per_call, time_unsharded, time_sharded):
     import jaxlab_form as form
+    form.expect_callable("seconds_per_call", form.evidence(seconds_per_call))
     form.expect_number("time_unsharded", form.evidence(time_unsharded))
     form.expect_number("time_sharded", form.evidence(time_sharded))
 
@@ -1161,9 +1167,10 @@ def test_q9_form(time_unsharded, time_sharded):
 """ # BEGIN TEST CONFIG
 hidden: true
 """ # END TEST CONFIG
-def test_q9_timing(time_unsharded, time_sharded):
+def test_q9_timing(seconds_per_call, time_unsharded, time_sharded):
     import jaxlab_lab3
-    jaxlab_lab3.check("q9_timing", time_unsharded=time_unsharded, time_sharded=time_sharded)
+    jaxlab_lab3.check("q9_timing", seconds_per_call=seconds_per_call,
+                      time_unsharded=time_unsharded, time_sharded=time_sharded)
 
 # %% [raw]
 # # END TESTS

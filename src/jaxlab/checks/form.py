@@ -334,3 +334,88 @@ def is_laid_out_as(sev, ndim, spec):
     if not isinstance(actual, NamedSharding):
         return False
     return actual.is_equivalent_to(NamedSharding(actual.mesh, spec), ndim)
+
+
+# --------------------------------------------------------------------------- programs
+def _sub_jaxprs(params):
+    for value in params.values():
+        for sub in value if isinstance(value, (list, tuple)) else (value,):
+            if hasattr(sub, "eqns"):
+                yield sub
+            elif hasattr(getattr(sub, "jaxpr", None), "eqns"):  # a ClosedJaxpr
+                yield sub.jaxpr
+
+
+def _aval_shape(var):
+    return [int(n) for n in getattr(var.aval, "shape", ())]
+
+
+def _body(jaxpr):
+    """Every equation under ``jaxpr`` in program order, nested ones (remat, jit,
+    custom_jvp, scan bodies) inlined where they occur: ``[primitive, output shapes]``."""
+    steps = []
+    for eqn in jaxpr.eqns:
+        steps.append([eqn.primitive.name, [_aval_shape(v) for v in eqn.outvars]])
+        for sub in _sub_jaxprs(eqn.params):
+            steps.extend(_body(sub))
+    return steps
+
+
+def _shard_maps(jaxpr):
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            mesh = eqn.params["mesh"]
+            found.append({
+                "axis_names": [str(a) for a in mesh.axis_names],
+                "mesh_shape": [int(mesh.shape[a]) for a in mesh.axis_names],
+                "in": [[_aval_shape(v), [_spec_entry(e) for e in spec]]
+                       for v, spec in zip(eqn.invars, eqn.params["in_specs"])],
+                "out": [[_aval_shape(v), [_spec_entry(e) for e in spec]]
+                        for v, spec in zip(eqn.outvars, eqn.params["out_specs"])],
+                "body": _body(eqn.params["jaxpr"]),
+            })
+        else:
+            for sub in _sub_jaxprs(eqn.params):
+                found.extend(_shard_maps(sub))
+    return found
+
+
+def program_evidence(closed):
+    """Plain data on ``closed = jax.make_jaxpr(fn)(*args)`` of a function as the student wrote
+    it: the primitives at its top level (a function wrapped in ``jax.jit`` is one ``jit``
+    equation), and for each ``shard_map`` inside it the global shape and spec of every operand
+    and result (``in_specs``/``out_specs`` per leaf) and its body's equations in program order."""
+    return {"top": [eqn.primitive.name for eqn in closed.jaxpr.eqns],
+            "shard_maps": _shard_maps(closed.jaxpr)}
+
+
+def is_jit_wrapped(program):
+    """Whether the whole traced program is one ``jax.jit`` call (``pjit`` before JAX 0.7)."""
+    return len(program["top"]) == 1 and program["top"][0] in ("jit", "pjit")
+
+
+def operand_specs(program, shape):
+    """The ``in_specs`` entries given to every shard_map operand of global ``shape``."""
+    return [spec for sm in program["shard_maps"] for s, spec in sm["in"]
+            if tuple(s) == tuple(shape)]
+
+
+def split_dims(spec):
+    """The dimensions a spec (plain entries) splits, with their mesh axes."""
+    return {dim: axes for dim, axes in enumerate(spec) if _axes(axes)}
+
+
+def expect_operands_split(name, program, shape, what, dim, wanted):
+    """Every shard_map operand of global ``shape`` (``what``) in the student's ``program`` is
+    split along dimension ``dim`` alone (replicated when ``dim`` is None), as the task's words
+    ``wanted`` say."""
+    for spec in operand_specs(program, shape):
+        split = split_dims(spec)
+        if list(split) == ([] if dim is None else [dim]):
+            continue
+        found = ("replicated on every device" if not split else
+                 " and ".join(f"split along dimension {d}" for d in split))
+        raise AssertionError(
+            f"`{name}` hands {what} (shape {tuple(shape)}) to jax.shard_map {found} (in_specs "
+            f"{spec_repr(spec) if spec else 'P()'}); expected what the task says: {wanted}.")

@@ -32,6 +32,16 @@ TRAIN_ATOL = 1e-5
 # A correct timing lies within this factor of the probe's own measurement on the same machine;
 # forgetting block_until_ready is ~1000x off, timing the compile ~10-50x.
 TIMING_FACTOR = 10
+# `seconds_per_call` is judged on a stand-in for a jitted function: its first call takes
+# TIMING_FIRST_CALL s (as compiling does) and every call's result is ready TIMING_STEP s after
+# the previous one's (one device working in order, as JAX's asynchronous dispatch). A correct
+# timing reads TIMING_STEP plus a little overhead; not waiting reads ~0; counting the first
+# call adds TIMING_FIRST_CALL / calls, which the probe keeps >= TIMING_MARGIN * TIMING_STEP by
+# re-running with a slower first call when the student's function calls many times.
+TIMING_FIRST_CALL = 1.0
+TIMING_STEP = 0.01
+TIMING_MARGIN = 4
+TIMING_MAX_CALLS = 100
 MESH_SIZES = (4, 8)
 FRESH_ROWS = 64
 
@@ -91,7 +101,9 @@ def _probe_manual(values):
         xf, Wf, bf = _fresh_layer_inputs()
         ev["fresh"] = {**_fresh_evidence(xf, Wf, bf), **_call(fn, xf, Wf, bf)}
         try:
-            ev["jaxpr"] = str(jax.make_jaxpr(fn)(xf, Wf, bf))
+            closed = jax.make_jaxpr(fn)(xf, Wf, bf)
+            ev["jaxpr"] = str(closed)
+            ev["program"] = form.program_evidence(closed)
         except Exception as exc:
             ev["jaxpr_error"] = f"{type(exc).__name__}: {exc}"[:600]
     return ev
@@ -109,12 +121,68 @@ def _seconds_per_call(fn, *args, repeats=5):
     return float(np.median(runs))
 
 
+class _AsyncResult:
+    """A result that is ready at ``ready_at`` (perf_counter seconds), like a jax.Array that
+    JAX returned before its computation finished."""
+
+    def __init__(self, ready_at):
+        self._ready_at = ready_at
+
+    def block_until_ready(self):
+        delay = self._ready_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return self
+
+    def __array__(self, dtype=None, copy=None):
+        self.block_until_ready()
+        return np.zeros((), dtype or np.float32)
+
+
+class _TooManyCalls(RuntimeError):
+    pass
+
+
+class _Workload:
+    """A stand-in for a jitted function (see TIMING_FIRST_CALL)."""
+
+    def __init__(self, first_call, step=TIMING_STEP):
+        self.first_call, self.step, self.calls, self._busy_until = first_call, step, 0, 0.0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > TIMING_MAX_CALLS:
+            raise _TooManyCalls(f"seconds_per_call called the function more than "
+                                f"{TIMING_MAX_CALLS} times")
+        if self.calls == 1:
+            time.sleep(self.first_call)  # compiling blocks the caller
+        self._busy_until = max(self._busy_until, time.perf_counter()) + self.step
+        return _AsyncResult(self._busy_until)
+
+
+def _timing_runs(fn):
+    """Call the student's ``seconds_per_call`` on the stand-in workload; a second run with a
+    slower first call when many calls would hide it (see TIMING_MARGIN)."""
+    first, runs = TIMING_FIRST_CALL, []
+    for _ in range(2):
+        workload = _Workload(first)
+        runs.append({"first_call": first, "step": TIMING_STEP,
+                     **_call(fn, workload, np.float32(1.0)), "calls": workload.calls})
+        if "error" in runs[-1] or first >= TIMING_MARGIN * workload.calls * TIMING_STEP:
+            break
+        first = TIMING_MARGIN * workload.calls * TIMING_STEP
+    return runs
+
+
 def _probe_timing(values):
-    """Measure grad_loss here, in the same kernel and machine as the student's timing."""
+    """Judge the timing method on a stand-in workload; measure grad_loss here, in the same
+    kernel and machine as the student's timings."""
     import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     ev = form.evidence_of(values)
+    if callable(values.get("seconds_per_call")):
+        ev["timing_runs"] = _timing_runs(values["seconds_per_call"])
     devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
     x, y, params = _training_setup(1024, (1, 1024, 1024, 1))
     mesh = jax.make_mesh((len(devices[:8]),), ("batch",), axis_types=(AxisType.Auto,),
@@ -249,6 +317,14 @@ def _laid_out(name, ev, spec, expected_words):
 
     sev = ev["sharding"]
     if not form.is_laid_out_as(sev, len(ev["shape"]), P(*spec)):
+        _fail(f"`{name}` is {form.describe_sharding(sev)}; expected {expected_words}.")
+
+
+def _laid_out_any(name, ev, specs, expected_words):
+    from jax.sharding import PartitionSpec as P
+
+    sev = ev["sharding"]
+    if not any(form.is_laid_out_as(sev, len(ev["shape"]), P(*spec)) for spec in specs):
         _fail(f"`{name}` is {form.describe_sharding(sev)}; expected {expected_words}.")
 
 
@@ -403,10 +479,11 @@ def _q4(ev):
         if sorted(zip(sev["axis_names"], sev["mesh_shape"])) != [("x", 2), ("y", 4)]:
             _fail(f"`{name}` lives on {_mesh_words(sev)}; expected the lab's `mesh` "
                   "(2 × 4, axes 'x' and 'y').")
-    _laid_out("B", ev["B"], ("x", None), "it split along mesh axis 'x' and replicated along 'y' "
-              "(spec P('x', None))")
-    _laid_out("C", ev["C"], (None, "y"), "it split along mesh axis 'y' and replicated along 'x' "
-              "(spec P(None, 'y'))")
+    # the task names the mesh axis, not the dimension: either dimension may be the split one
+    for name, axis, other in (("B", "x", "y"), ("C", "y", "x")):
+        _laid_out_any(name, ev[name], ((axis, None), (None, axis)),
+                      f"one of its dimensions split along mesh axis '{axis}' and the array "
+                      f"replicated along '{other}' (spec P('{axis}', None) or P(None, '{axis}'))")
     _same_mesh("C", ev["C"], "B", ev["B"])
     Bv, Cv = ev["B"]["value"], ev["C"]["value"]
     B = jax.device_put(Bv, form.rebuild_sharding(ev["B"]["sharding"]))
@@ -498,6 +575,13 @@ def _q7(ev):
               "this task asks you to write the per-device computation with jax.shard_map.")
     _fresh_call("layer_manual", ev["fresh"], lambda out: _batch_split(
         "layer_manual(x, W, b)", out, axis))
+    for shape, what, dim, words in (
+            ((FRESH_ROWS, 10), "x", 0, "each device handles its block of rows of x"),
+            ((10, 2), "W", None, "each device uses the full W"),
+            ((2,), "b", None, "each device uses the full b")):
+        form.expect_operands_split("layer_manual", ev["program"], shape, what, dim,
+                                   f"{words} (in_specs {'P(axis)' if dim == 0 else 'P()'} "
+                                   f"for {what})")
 
 
 def _params_pairs(name, ev):
@@ -553,7 +637,51 @@ def _q8(ev):
                       "and the result stays replicated on their mesh")
 
 
+def _timing_method(run):
+    """Verdict on one run of ``seconds_per_call`` on the stand-in workload."""
+    call = "seconds_per_call(f, x)"
+    step, first, n = run["step"], run["first_call"], run["calls"]
+    test = (f"`{call}` was tried on a function f whose first call takes {first:.2g} s (as "
+            f"compiling does) and whose every later call returns at once with a result that is "
+            f"ready {step * 1e3:.0f} ms later (as JAX's asynchronous dispatch does)")
+    if run.get("error", "").startswith("_TooManyCalls"):
+        _fail(f"{test}; it called f more than {TIMING_MAX_CALLS} times. It should call f a few "
+              f"times (at most {TIMING_MAX_CALLS}, as the task says) and return the seconds "
+              "per call.")
+    if "error" in run:
+        _fail(f"{test}; it raised {run['error']} ({run['where']}). It should call f(x) a few "
+              f"times (at most {TIMING_MAX_CALLS}) and return the seconds per call.")
+    out = run["output"]
+    if out["kind"] in ("none", "ellipsis"):
+        _fail(f"`seconds_per_call` is not defined yet (it returns {form.describe(out)}): write "
+              "its body in the cell under '### Your code here' and run it.")
+    if out["kind"] != "number" or not math.isfinite(out["value"]):
+        _fail(f"{test}; it returned {form.describe(out)}; expected the seconds per call "
+              "(a float).")
+    t = out["value"]
+    if t < step / 2:
+        _fail(f"{test}. It returned {t:.3g} s per call instead of about {step:.3g} s: the clock "
+              "stopped before the results were ready. Wait for them with "
+              "jax.block_until_ready inside the timed region.")
+    if t > step + first / (2 * max(n, 1)):
+        # what the student most likely measured, by the nearest of the usual slips
+        k = max(n - 1, 1)
+        slips = {"counts the first (compiling) call": (first + k * step) / k,
+                 "is in milliseconds rather than seconds": 1000 * step,
+                 "is not divided by the number of calls": k * step,
+                 "counts the first call and is not divided by the number of calls":
+                     first + k * step}
+        slip = min(slips, key=lambda s: abs(math.log(t / slips[s])))
+        _fail(f"{test}. It called f {n} times and returned {t:.3g} s per call instead of "
+              f"about {step:.3g} s: the time {slip}. Call f once before starting the clock "
+              "(to compile it), then time several calls and divide by their number.")
+
+
 def _q9(ev):
+    form.expect_callable("seconds_per_call", ev["seconds_per_call"])
+    if "timing_runs" not in ev:
+        _fail("`seconds_per_call` could not be tried.")
+    _timing_method(ev["timing_runs"][-1])
     for name, ref_key, data in (("time_unsharded", "reference_unsharded", "unsharded"),
                                 ("time_sharded", "reference_sharded", "sharded")):
         form.expect_number(name, ev[name])
@@ -581,7 +709,8 @@ QUESTIONS = {
     "q7_dp_manual": form.question("layer_manual out_man", _q7, _probe_manual),
     "q8_sharded_training": form.question(
         "x_train_sharded y_train_sharded params_replicated params_trained_sharded", _q8),
-    "q9_timing": form.question("time_unsharded time_sharded", _q9, _probe_timing),
+    "q9_timing": form.question("seconds_per_call time_unsharded time_sharded", _q9,
+                               _probe_timing),
 }
 
 probe, verdict, check = form.entry_points(QUESTIONS)

@@ -111,7 +111,8 @@ def _trace(fn, *args):
     import jax
 
     try:
-        return {"jaxpr": str(jax.make_jaxpr(fn)(*args))}
+        closed = jax.make_jaxpr(fn)(*args)
+        return {"jaxpr": str(closed), "program": form.program_evidence(closed)}
     except Exception as exc:
         return {"jaxpr_error": _error(exc)}
 
@@ -413,6 +414,49 @@ def _method(name, fresh, required=(), forbidden=(), shard_map=True, why=""):
                   f"`jax.lax.{collective}`; this task asks you to use it{why}.")
 
 
+# primitives that move data between devices (pvary, which check_vma inserts, moves nothing)
+COMMUNICATION = ("psum", "psum_invariant", "psum2", "all_gather", "all_gather_invariant",
+                 "reduce_scatter", "ppermute", "all_to_all", "pmax", "pmin")
+
+
+def _body(fresh):
+    """The equations of every shard_map body of the traced program, in program order."""
+    return [step for sm in fresh["program"]["shard_maps"] for step in sm["body"]]
+
+
+def _one_scalar_collective(name, fresh, words):
+    moves = [(prim, shapes) for prim, shapes in _body(fresh) if prim in COMMUNICATION]
+    if len(moves) != 1 or moves[0][1] != [[]]:
+        found = ", ".join(f"`{p}` of an array of shape {tuple(s[0]) if s else ()}"
+                          for p, s in moves) or "none"
+        _fail(f"`{name}` communicates {len(moves)} time(s) inside its shard_map ({found}); "
+              f"expected what the task says: {words}.")
+
+
+def _jitted(name, fresh):
+    program = fresh["program"]
+    if not form.is_jit_wrapped(program):
+        top = ", ".join(f"`{p}`" for p in program["top"]) or "nothing"
+        _fail(f"`{name}` is not wrapped in jax.jit: traced as you wrote it, its program runs "
+              f"{top} at the top level instead of one `jit` call. The task says \"Wrap it in "
+              "`jax.jit`\" (decorate it with @jax.jit, or assign jax.jit(...) to it).")
+
+
+_operand_layout = form.expect_operands_split
+
+
+def _order(name, fresh, first, then, words):
+    """Every ``then`` equation of the shard_map body comes after some ``first`` equation."""
+    steps = _body(fresh)
+    seen = False
+    for prim, _ in steps:
+        if prim in first:
+            seen = True
+        elif prim in then and not seen:
+            _fail(f"`{name}` runs `{prim}` before any `{first[0]}` in its shard_map; expected "
+                  f"what the task says: {words}.")
+
+
 def _array_out(call, out, shape):
     if out["kind"] != "array":
         _fail(f"`{call}` returned {form.describe(out)}; expected a jax.Array of shape {shape}.")
@@ -468,7 +512,23 @@ def _q2(ev):
     _method("global_sum", fresh, required=("psum",), forbidden=("all_gather",),
             why=": each device sums its own block, then one psum adds the partial sums")
     _on_8_devices("global_sum(x)", out, (), "replicated")
+    _operand_layout("global_sum", fresh["program"], fresh["x"].shape, "x", 0,
+                    "x is sharded over `mesh` (spec P('i'))")
+    _one_scalar_collective("global_sum", fresh, "each device sums its own block, and one "
+                           "collective adds up the eight partial sums (scalars)")
 
+
+MATMUL_LAYOUTS = {  # lhs layout in words: (dimension of lhs split, spec)
+    "rows": (0, "P('i', None)"),
+    "columns": (1, "P(None, 'i')"),
+}
+MATMUL_ORDER = {  # question: (first, then, the task's words)
+    "q3_matmul_allgather": (("all_gather", "all_gather_invariant"), ("dot_general",),
+                            "to gather rhs with all_gather, then multiply locally"),
+    "q5_matmul_reducescatter": (("dot_general",), ("reduce_scatter",),
+                                "to multiply locally, then combine the partial products with "
+                                "psum_scatter"),
+}
 
 MATMULS = {  # question: (function, lhs layout in words, required, forbidden, why)
     "q3_matmul_allgather": ("matmul_allgather", "rows", ("all_gather",), (),
@@ -500,6 +560,19 @@ def _matmul_verdict(question):
         _method(name, fresh, required=required, forbidden=forbidden, why=why)
         _on_8_devices(call, fresh["output"], ("axis", None),
                       "the result sharded by rows (out_specs=P('i', None))")
+        dim, spec = MATMUL_LAYOUTS[lhs_words]
+        _operand_layout(name, fresh["program"], lhs.shape, "lhs", dim,
+                        f"lhs is sharded by {lhs_words} ({spec})")
+        _operand_layout(name, fresh["program"], rhs.shape, "rhs", 0, "rhs is sharded by rows (P('i', None))")
+        if question in MATMUL_ORDER:
+            _order(name, fresh, *MATMUL_ORDER[question])
+        if question == "q3_matmul_allgather":
+            for prim, shapes in _body(fresh):
+                if prim in COLLECTIVES["all_gather"] and np.prod(shapes[0]) != rhs.size:
+                    _fail(f"`{name}` gathers an array of shape {tuple(shapes[0])} with "
+                          f"all_gather; expected what the task says: gather rhs (shape "
+                          f"{rhs.shape}), then multiply locally.")
+        _jitted(name, fresh)
     return verdict_fn
 
 
@@ -560,7 +633,72 @@ def _loss_verdict(question):
                    "the gradient of the single-device `loss` for new params and batch",
                    rtol=GRAD_RTOL, atol=GRAD_ATOL)
         _method(name, fresh, required=required, forbidden=forbidden, why=why)
+        LOSS_METHODS[question](name, fresh)
     return verdict_fn
+
+
+BATCH = ((FRESH_BATCH, LAYER_SIZES[0]), (FRESH_BATCH, LAYER_SIZES[-1]))
+WEIGHTS = tuple(zip(LAYER_SIZES[:-1], LAYER_SIZES[1:]))
+BIASES = tuple(sorted({(n,) for n in LAYER_SIZES[1:]}))
+
+
+def _dp_method(name, fresh):
+    for shape, what in zip(BATCH, ("the inputs of the batch", "the targets of the batch")):
+        _operand_layout(name, fresh["program"], shape, what, 0,
+                        "the batch is sharded along its first axis (P('batch'))")
+    for shape in WEIGHTS + BIASES:
+        _operand_layout(name, fresh["program"], shape, "a parameter", None,
+                        "the parameters are replicated (P())")
+    _one_scalar_collective(name, fresh, "the losses of the devices are combined with one "
+                           "scalar collective (one pmean or psum of the local loss)")
+
+
+def _fsdp_method(name, fresh):
+    for shape, what in zip(BATCH, ("the inputs of the batch", "the targets of the batch")):
+        _operand_layout(name, fresh["program"], shape, what, 0,
+                        "the batch is sharded along its first axis (P('batch'))")
+    for shape in WEIGHTS + BIASES:
+        _operand_layout(name, fresh["program"], shape, "a parameter", 0,
+                        "every W and b is sharded along its first axis (P('batch'))")
+    gathered = products = 0
+    for prim, _ in _body(fresh):
+        if prim in COLLECTIVES["all_gather"]:
+            gathered += 1
+        elif prim == "dot_general":
+            products += 1
+            if gathered > 2 * products:
+                _fail(f"`{name}` has gathered {gathered} arrays with all_gather before its "
+                      f"matrix product number {products}; expected what the task says: gather "
+                      "each W and b just before it is used (layer by layer), not all "
+                      "parameters up front.")
+
+
+def _tp_method(name, fresh):
+    for shape, what in ((BATCH[0], "the inputs"),
+                        *(((FRESH_BATCH, n), "activations") for n in LAYER_SIZES[1:-1])):
+        _operand_layout(name, fresh["program"], shape, what, 1,
+                        "inputs and activations are sharded over features (P(None, 'feats'))")
+    for shape in WEIGHTS:
+        _operand_layout(name, fresh["program"], shape, "a weight matrix", 0,
+                        "each W is sharded by rows (P('feats', None))")
+    for shape in BIASES:
+        _operand_layout(name, fresh["program"], shape, "a bias", 0,
+                        "each b is sharded over its features (P('feats'))")
+    pending = False
+    for prim, _ in _body(fresh):
+        if prim == "dot_general":
+            if pending:
+                break
+            pending = True
+        elif prim in COLLECTIVES["psum_scatter"]:
+            pending = False
+    if pending:
+        _fail(f"`{name}` has a matrix product inside jax.shard_map that is not followed by "
+              "psum_scatter before the next one; expected what the task says: every layer is a "
+              "local matrix product followed by jax.lax.psum_scatter.")
+
+
+LOSS_METHODS = {"q7_loss_dp": _dp_method, "q8_loss_fsdp": _fsdp_method, "q9_loss_tp": _tp_method}
 
 
 def _scalar_pair(name, ev):
@@ -578,6 +716,8 @@ def _scalar_pair(name, ev):
 
 
 def _q10(ev):
+    from jax.sharding import PartitionSpec as P
+
     fresh = _fresh("update", ev, "update(params, xs, ys)")
     call = "update(params, xs, ys)"
     out = fresh["output"]
@@ -609,8 +749,13 @@ def _q10(ev):
     for field, item in zip(("weight", "bias"), new):
         if item["kind"] == "array":
             _on_8_devices(f"{call}[0].{field}", item, (), "replicated (out_specs=P())")
+    if loss_ev["kind"] == "array":
+        _on_8_devices(f"{call}[1]", loss_ev, (), "replicated (out_specs=P())")
     _method("update", fresh, required=("psum",), forbidden=("jax.pmap",),
             why=": average over the devices inside jax.shard_map, not with jax.pmap")
+    _operand_layout("update", fresh["program"], fresh["xs"].shape, "xs or ys", 0,
+                    "xs and ys are sharded along the batch axis (P('batch'))")
+    _jitted("update", fresh)
     form.expect_defined("params_trained", ev["params_trained"])
     trained = _scalar_pair("params_trained", ev["params_trained"])
     ref = _trained_reference()
@@ -618,6 +763,16 @@ def _q10(ev):
         _close(f"params_trained.{field}", float(np.asarray(item["value"])), expected,
                f"the {field} after {TRAIN_STEPS} steps of single-device SGD from the lab's "
                "`params` on `xs`, `ys`", rtol=TRAIN_RTOL, atol=TRAIN_ATOL)
+        sev = item.get("sharding", {})
+        if item["kind"] != "array" or sev.get("kind") != "NamedSharding" \
+                or len(sev["devices"]) != N_DEVICES \
+                or not form.is_laid_out_as(sev, len(item["shape"]), P()):
+            where = (f"lives {form.describe_sharding(sev)}" if item["kind"] == "array"
+                     else f"is {form.describe(item)}, not a jax.Array")
+            _fail(f"`params_trained.{field}` {where}; expected it replicated on the "
+                  f"{N_DEVICES} devices of mesh_dp, as the task defines `params_trained`: what "
+                  "train(update, params_replicated, xs_sharded, ys_sharded) returns. A copy of "
+                  "the single-device result is not the output of the sharded run.")
 
 
 QUESTIONS = {
