@@ -71,7 +71,7 @@ def cells_seconds(submission, autograder, cpu, work, cache_dir):
             shutil.copy(path, kernel.workdir)
         NotebookClient(nb, km=kernel.km, timeout=600, kernel_name="python3").execute()
     finally:
-        kernel.kill()
+        kernel.close()
     spans = [cell.metadata["execution"] for cell in nb.cells]
     stamp = datetime.datetime.fromisoformat
     return sum((stamp(e["shell.execute_reply"]) - stamp(e["iopub.execute_input"])).total_seconds()

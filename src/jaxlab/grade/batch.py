@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from . import report
 from .autograder import open_autograder, shipped_autograder
+from .sandbox import Mode, SandboxUnavailable, decide
 from .submissions import collect
 from .worker import kill_and_reap, set_subreaper
 
@@ -25,14 +26,27 @@ GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its
 
 def grade(*, paths, output_dir="grades", workers=None, timeout=600, cell_timeout=300,
           memory_mb=4096, assignment=None, autograder=None, force=False, output_cap_mb=10,
-          prestart=True, compile_cache=True, xla_threads=None, pin_cpus=None, show=True):
-    """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran."""
+          prestart=True, compile_cache=True, xla_threads=None, pin_cpus=None,
+          sandbox=Mode.AUTO.value, show=True):
+    """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran.
+
+    ``sandbox``: "auto" runs each kernel in a bubblewrap sandbox where bwrap runs here and says
+    in every row where it does not; "require" refuses to grade without one; "off" never uses one.
+    """
     started = time.time()
     out = pathlib.Path(output_dir)
     subs = collect(paths, exclude=[out])
     if not subs:
         print("jaxlab grade: no .ipynb or .zip submissions found", file=sys.stderr)
         return False
+    try:
+        isolation = decide(sandbox)
+    except SandboxUnavailable as exc:
+        print(f"jaxlab grade: refusing to grade: {exc}", file=sys.stderr)
+        return False
+    if not isolation.sandboxed:
+        print(f"jaxlab grade: kernels run with your own rights, {isolation.status}",
+              file=sys.stderr)
     zip_path = autograder or shipped_autograder(assignment, [s.path for s in subs])
     state = out / ".jaxlab"
     (state / "records").mkdir(parents=True, exist_ok=True)
@@ -47,7 +61,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=600, cell_timeout
                     "timeout": timeout, "cell_timeout": cell_timeout, "memory_mb": memory_mb,
                     "output_cap": output_cap_mb * 2**20, "scratch": str(scratch),
                     "cache_dir": str(state / "jax-cache") if compile_cache else None,
-                    "prestart": prestart, "xla_threads": xla_threads}
+                    "prestart": prestart, "xla_threads": xla_threads,
+                    "sandboxed": isolation.sandboxed}
         jobs = queue.Queue()
         for s in pending:
             jobs.put({"submission": str(s.path), "file": s.file, "sha256": digests[s.file],
@@ -66,6 +81,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=600, cell_timeout
         with tqdm(total=len(pending), unit="nb", desc="grading", disable=not show) as bar:
             for _ in pending:
                 record = done.get()
+                if isolation.status:
+                    record["status"] = f"{record['status']}; {isolation.status}"
                 records[record["file"]] = record
                 (state / "records" / f"{_key(record['file'])}.json").write_text(json.dumps(record))
                 report.write_submission(out, record, ag)

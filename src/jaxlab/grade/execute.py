@@ -12,15 +12,20 @@ import pathlib
 import shutil
 import signal
 import subprocess
-import tempfile
+import sys
 import threading
 import time
 
 import psutil
 from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
+
+from .sandbox import KernelFolder, bwrap_argv
+
+SANDBOX_KERNEL = "jaxlab-sandbox"
 
 OTTER_CALLS = {"check", "check_all", "export", "to_pdf", "run_plugin", "submit"}
 IGNORE_TAG = "otter_ignore"
@@ -154,6 +159,7 @@ def claim_cells(tests, private, evidence_dir):
 # --------------------------------------------------------------------------- kernels
 def kernel_env(cache_dir=None, xla_threads=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "JPY_"))}
+    env.pop("TMPDIR", None)
     env.update(PJRT_NPROC="16", MPLBACKEND="Agg", PYTHONHASHSEED="0", MALLOC_ARENA_MAX="2")
     if cache_dir:
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
@@ -168,26 +174,49 @@ def kernel_env(cache_dir=None, xla_threads=None):
 @dataclasses.dataclass
 class Kernel:
     km: AsyncKernelManager
-    workdir: str
+    folder: KernelFolder
+    sandboxed: bool
 
     @classmethod
-    def start(cls, env, root, cpu=None):
-        workdir = tempfile.mkdtemp(prefix="kernel-", dir=root)
-        km = AsyncKernelManager(kernel_name="python3")
+    def start(cls, env, root, cpu=None, *, sandboxed=False, cache_dir=None):
+        """A kernel in a fresh folder under ``root``; in its own bwrap sandbox if ``sandboxed``."""
+        folder = KernelFolder.create(root)
+        if sandboxed:
+            # a kernelspec per kernel: bwrap's command line names this kernel's folder
+            spec = folder.root / "spec" / SANDBOX_KERNEL
+            spec.mkdir(parents=True)
+            argv = [*bwrap_argv(folder, cache_dir=cache_dir, cpu=cpu), sys.executable, "-m",
+                    "ipykernel_launcher", "-f", "{connection_file}"]
+            # the kernel leads its own session inside (--new-session), so the provisioner's
+            # SIGINT to the outer process group would miss it: interrupt by message instead
+            (spec / "kernel.json").write_text(json.dumps(
+                {"argv": argv, "display_name": "sandboxed Python", "language": "python",
+                 "interrupt_mode": "message"}))
+            km = AsyncKernelManager(
+                kernel_name=SANDBOX_KERNEL, transport="ipc",
+                connection_file=str(folder.ipc / "kernel.json"),
+                kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
+        else:
+            km = AsyncKernelManager(kernel_name="python3")
         # jupyter_client starts the kernel in a new session: its pid is its process group id.
-        run_sync(km.start_kernel)(cwd=workdir, env=env, stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        kernel = cls(km, workdir)
-        if cpu is not None:
+        run_sync(km.start_kernel)(cwd=str(folder.work), env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        kernel = cls(km, folder, sandboxed)
+        if cpu is not None and not sandboxed:
             # XLA's threads start later from the kernel's main thread and inherit this
             psutil.Process(kernel.pid).cpu_affinity([cpu])
         return kernel
+
+    @property
+    def workdir(self):
+        return str(self.folder.work)
 
     @property
     def pid(self):
         return self.km.provisioner.pid
 
     def tree(self):
+        """The kernel's processes; in a sandbox, bwrap and everything in its PID namespace."""
         try:
             root = psutil.Process(self.pid)
             return [root, *root.children(recursive=True)]
@@ -206,7 +235,11 @@ class Kernel:
         except Exception:
             pass
         run_sync(self.km.cleanup_resources)()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def close(self):
+        """Kill the kernel and remove its folder (with the evidence the worker read from it)."""
+        self.kill()
+        shutil.rmtree(self.folder.root, ignore_errors=True)
 
 
 def _kill(proc):

@@ -66,11 +66,18 @@ class Worker:
         self.scratch = pathlib.Path(tempfile.mkdtemp(prefix="worker-", dir=settings["scratch"]))
         self.kernels = self.scratch / "kernels"
         self.kernels.mkdir()
-        self.env = kernel_env(settings.get("cache_dir"), settings.get("xla_threads"))
+        self.sandboxed = settings.get("sandboxed", False)
+        # a sandboxed kernel gets no compilation cache another kernel wrote: its entries are
+        # code the next kernel would run
+        self.env = kernel_env(None if self.sandboxed else settings.get("cache_dir"),
+                              settings.get("xla_threads"))
         self.checks = self._import_checks() if self.ag.checks_module else None
         self.spare = None
         if settings.get("prestart", True):
-            self.spare = Kernel.start(self.env, self.kernels, self.s.get("cpu"))
+            self.spare = self._start_kernel()
+
+    def _start_kernel(self):
+        return Kernel.start(self.env, self.kernels, self.s.get("cpu"), sandboxed=self.sandboxed)
 
     def _import_checks(self):
         sys.path.insert(0, str(self.ag.files))
@@ -107,11 +114,12 @@ class Worker:
 
     def _run(self, nb, extra, record):
         cells = student_cells(nb)
-        kernel = self.spare or Kernel.start(self.env, self.kernels, self.s.get("cpu"))
+        kernel = self.spare or self._start_kernel()
         self.spare = None
-        private = self.scratch / f"private-{secrets.token_hex(16)}"
-        # created only once the student's cells are done, under a name they never saw
-        evidence = self.scratch / f"evidence-{secrets.token_hex(16)}"
+        # created only once the student's cells are done, under names they never saw, in the
+        # one folder of the kernel's that is empty while they run
+        private = kernel.folder.reveal / f"private-{secrets.token_hex(16)}"
+        evidence = kernel.folder.reveal / f"evidence-{secrets.token_hex(16)}"
         try:
             workdir = pathlib.Path(kernel.workdir)
             for name, data in extra.items():
@@ -145,10 +153,8 @@ class Worker:
             strangers = sorted(p.name for p in evidence.glob("*") if p.name not in expected)
             forged = [name for name in ex.files if name in RESULT_FILES]
         finally:
-            kernel.kill()
+            kernel.close()
             self._reap()
-            shutil.rmtree(private, ignore_errors=True)
-            shutil.rmtree(evidence, ignore_errors=True)
         record["questions"] = {tf.name: _test_file_record(tf) for tf in verdicts.test_files}
         record["outcomes"] = verdicts.outcomes
         if ex.killed:
@@ -181,11 +187,11 @@ class Worker:
 
     def _prestart(self):
         if self.s.get("prestart", True) and self.spare is None:
-            self.spare = Kernel.start(self.env, self.kernels, self.s.get("cpu"))
+            self.spare = self._start_kernel()
 
     def close(self):
         if self.spare:
-            self.spare.kill()
+            self.spare.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
