@@ -60,7 +60,7 @@ with open("results.pkl", "wb") as f:
     pickle.dump(GradingResults([]), f)
 def forge():
     for _ in range(400):
-        for d in glob.glob(os.getcwd() + "/../../evidence-*"):
+        for d in glob.glob(os.getcwd() + "/../reveal/evidence-*"):
             for q in ("q1", "q2", "q3"):
                 try:
                     with open(f"{d}/claim-{q}.json", "w") as f:
@@ -120,8 +120,9 @@ def submissions(lab, root):
     add("flood.ipynb", with_cell(sol(), "y_mean", "for _ in range(30):\n    print('x' * 10**5)"),
         FULL, "output over the cap")
     add("escape.ipynb", with_cell(sol(), "y_mean", ESCAPE), FULL, "Completed")
+    # the sandbox's PID namespace: the kernel's parent is the namespace's init, not the worker
     add("kill_grader.ipynb", with_cell(sol(), "y", "import os, signal\n"
-        "os.kill(os.getppid(), signal.SIGKILL)"), NONE, "grading process")
+        "os.kill(os.getppid(), signal.SIGKILL)"), FULL, "Completed")
     # bad inputs
     add("not_json.ipynb", b"this is not JSON", NONE, "not valid JSON")
     add("not_notebook.ipynb", b'{"hello": 1}', NONE, "no list of cells")
