@@ -35,7 +35,8 @@ from nbclient import NotebookClient
 
 from jaxlab.grade import grade
 from jaxlab.grade.autograder import open_autograder
-from jaxlab.grade.execute import Kernel, kernel_env, student_cells
+from jaxlab.grade.cells import student_cells
+from jaxlab.grade.kernel import Kernel, kernel_env
 
 VARIANTS = {
     "default": {},

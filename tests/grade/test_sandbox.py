@@ -6,12 +6,10 @@ and q1, q2 show the rest of the submission graded normally. All are graded in on
 """
 
 import os
-import pathlib
 import shutil
 import socket
 import threading
 
-import nbformat
 import pandas as pd
 import pytest
 

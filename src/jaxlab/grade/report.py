@@ -15,11 +15,11 @@ PLOT = "score_distribution.png"
 
 def results_of(record, autograder):
     """The otter ``GradingResults`` a worker's record stands for."""
-    if record["catastrophic"]:
-        results = GradingResults.without_results(Exception(record["status"]))
+    if record.catastrophic:
+        results = GradingResults.without_results(Exception(record.status))
     else:
         test_files = []
-        for q, data in record["questions"].items():
+        for q, data in record.questions.items():
             tf = type(autograder.tests[q])(q, data["path"], [], data["all_or_nothing"])
             for case in data["cases"]:
                 tc = TestCase(case["name"], None, case["hidden"], case["points"],
@@ -28,7 +28,7 @@ def results_of(record, autograder):
                 tf.test_case_results.append(TestCaseResult(tc, case["message"], case["passed"]))
             test_files.append(tf)
         results = GradingResults(test_files)
-    results.file = record["file"]
+    results.file = record.file
     return results
 
 
@@ -40,8 +40,8 @@ def write_submission(out, record, autograder):
     results = results_of(record, autograder)
     for folder in (SUMMARIES, GRADESCOPE):
         (out / folder).mkdir(exist_ok=True)
-    (out / SUMMARIES / f"{stem(record['file'])}.txt").write_text(results.summary())
-    (out / GRADESCOPE / f"{stem(record['file'])}.json").write_text(
+    (out / SUMMARIES / f"{stem(record.file)}.txt").write_text(results.summary())
+    (out / GRADESCOPE / f"{stem(record.file)}.json").write_text(
         json.dumps(results.to_gradescope_dict(autograder.config), indent=2))
 
 
@@ -50,7 +50,7 @@ def write_csv(out, records, autograder):
     if not records:
         return None
     df = merge_scores_to_df([results_of(r, autograder) for r in records])
-    status = {r["file"]: r["status"] for r in records}
+    status = {r.file: r.status for r in records}
     rows = df[SCORES_DICT_FILE_KEY].isin(status)
     df.loc[rows, SCORES_DICT_GRADING_STATUS_KEY] = df.loc[rows, SCORES_DICT_FILE_KEY].map(status)
     tmp = out / "final_grades.csv.tmp"
@@ -74,9 +74,9 @@ def question_table(records, autograder):
         possible = autograder.points[q]
         scores, outcomes = [], []
         for r in records:
-            data = r["questions"].get(q)
+            data = r.questions.get(q)
             scores.append(sum(c["points"] for c in data["cases"] if c["passed"]) if data else 0)
-            outcomes.append("error" if r["catastrophic"] else r["outcomes"].get(q, "error"))
+            outcomes.append("error" if r.catastrophic else r.outcomes.get(q, "error"))
         s = pd.Series(scores, dtype=float)
         rows.append({"question": q, "points": possible, "mean": s.mean(),
                      "full marks": (s >= possible - 1e-9).mean() if possible else float("nan"),
