@@ -12,9 +12,8 @@ import threading
 import time
 
 import nbformat.v4 as v4
-from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
-from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.exceptions import DeadKernelError
 
 from . import process
 from .model import MiB, Stop, StopKind
@@ -94,7 +93,7 @@ class Session:
         self.kernel, self.limits = kernel, limits
         self.nb = v4.new_notebook()
         self.client = _Client(self.nb, km=kernel.km, timeout=limits.cell_timeout,
-                              allow_errors=True, interrupt_on_timeout=False,
+                              allow_errors=True, interrupt_on_timeout=True,
                               kernel_name=kernel.km.kernel_name)
         self.client.output_cap = limits.output_cap_mb * MiB
         self.dog = Watchdog(kernel, limits.timeout, limits.memory_mb * MiB)
@@ -139,25 +138,30 @@ class Session:
             index = indices[k] if indices is not None else None
             cell = v4.new_code_cell(source)
             self.nb.cells.append(cell)
+            start = time.monotonic()
             try:
                 self.client.execute_cell(cell, len(self.nb.cells) - 1)
-            except CellTimeoutError:
-                if index is None:
-                    self.result.grader_timeouts += 1
-                else:
-                    self.result.timed_out_cells.append(index)
-                run_sync(self.kernel.km.interrupt_kernel)()
             except DeadKernelError:
                 self.result.stop = Stop(self.dog.kind or StopKind.DIED, index, index is None,
                                         self.dog.detail)
             except Exception as exc:  # the kernel stopped answering in some other way
                 self.result.stop = Stop(self.dog.kind or StopKind.UNRESPONSIVE, index,
                                         index is None, self.dog.detail or type(exc).__name__)
-            self._collect(cell, index)
+            self._collect(cell, index, time.monotonic() - start)
         return self.alive
 
-    def _collect(self, cell, index):
+    def _collect(self, cell, index, seconds):
+        errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+        # nbclient interrupts a cell over the limit and waits for its reply, a KeyboardInterrupt
+        timed_out = seconds >= self.limits.cell_timeout and errors and \
+            errors[-1].get("ename") == "KeyboardInterrupt"
+        if timed_out and index is None:
+            self.result.grader_timeouts += 1
+        elif timed_out:
+            self.result.timed_out_cells.append(index)
         for out in cell.get("outputs", []):
+            if out.get("output_type") == "error" and timed_out:
+                continue
             if out.get("output_type") == "error":
                 text = f"{out.ename}: {out.evalue}"[:300]
                 if index is None:
