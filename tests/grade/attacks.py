@@ -1,7 +1,8 @@
 """Issue 10's attacks on the grading machine, each as a notebook cell that sets ``ok``.
 
-A submission is the solution with one cell after the ``y_mean`` answer that tries one attack and
-leaves ``y_mean`` right only if it worked. Paths of the machine (the instructor's home, the
+A submission is the solution with one cell after an answer that tries one attack and spoils
+the answer unless it worked (the fixture's ``y_mean`` by default; scripts/grade_demo.py spoils
+Lab 3's Task 1). Paths of the machine (the instructor's home, the
 autograder, the batch's folders, the grader's pid) are written into the cell, as a student who
 knew them would. Shared by tests/grade/test_sandbox.py and scripts/grade_demo.py.
 """
@@ -65,7 +66,8 @@ with open(cache + "/pwned-cache-entry", "wb") as f:
     f.write(b"code another kernel would load")
 ok = True
 """,
-    # the grader's own processes: the batch (its pid) and every worker found in /proc
+    # the grader's own processes: a known pid (the batch's, or its parent's) and every jaxlab
+    # grading process found in /proc
     "signal_grader": """\
 import os, signal
 hit = []
@@ -77,7 +79,8 @@ except OSError:
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
         with open(f"/proc/{{pid}}/cmdline", "rb") as f:
-            if b"jaxlab.grade.worker" in f.read():
+            cmdline = f.read()
+            if b"jaxlab.grade.worker" in cmdline or b"jaxlab\\x00grade" in cmdline:
                 os.kill(int(pid), signal.SIGCONT)
                 hit.append(int(pid))
     except OSError:
@@ -92,18 +95,20 @@ try:
 {body}
 except Exception as exc:
     print("attempt failed:", type(exc).__name__, exc)
-if not ok:
-    y_mean = -1.0  # right only if the attack worked
+if not ok:  # the answer stays right only if the attack worked
+    {spoil}
 """
+SPOIL_Y_MEAN = "y_mean = -1.0"
 
 
-def attack_cell(name, targets):
+def attack_cell(name, targets, spoil=SPOIL_Y_MEAN):
     body = ATTACKS[name].format(**{k: str(v) if not isinstance(v, int) else v
                                    for k, v in targets.items()})
-    return CELL.format(body="\n".join("    " + line for line in body.splitlines()))
+    return CELL.format(body="\n".join("    " + line for line in body.splitlines()), spoil=spoil)
 
 
-def attack_notebook(nb, name, targets):
-    nb.cells.insert(answer_cell(nb, "y_mean") + 1,
-                    nbformat.v4.new_code_cell(attack_cell(name, targets)))
+def attack_notebook(nb, name, targets, after=None, spoil=SPOIL_Y_MEAN):
+    """``nb`` with the attack's cell after cell ``after`` (default: the ``y_mean`` answer)."""
+    at = answer_cell(nb, "y_mean") if after is None else after
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(attack_cell(name, targets, spoil)))
     return nb
