@@ -34,6 +34,7 @@ def scores(out):
 
 def otter_run(autograder, notebook, out):
     otter = pathlib.Path(sys.executable).with_name("otter")
+    out.mkdir(parents=True)
     subprocess.run([str(otter), "run", "-a", str(autograder), "-o", str(out), str(notebook)],
                    check=True, capture_output=True)
     tests = json.loads((out / "results.json").read_text())["tests"]
