@@ -31,7 +31,8 @@ def kernel(request, tmp_path):
 def test_session_runs_phases_in_order_and_keeps_state_between_them(kernel, tmp_path):
     with Session(kernel, LIMITS) as s:
         assert s.run(["x = 41", "1 / 0", "import time\nwhile True:\n    time.sleep(0.01)",
-                      "x += 1\nprint('x is', x)"], [3, 5, 8, 9])
+                      "x += 1\nprint('x is', x)",
+                      "import os\nprint(sorted(os.sched_getaffinity(0)))"], [3, 5, 8, 9, 10])
         reveal = kernel.folder.reveal / "later"
         reveal.mkdir()  # a folder made between phases is seen by the running kernel
         (reveal / "hidden.txt").write_text("revealed")
@@ -40,7 +41,7 @@ def test_session_runs_phases_in_order_and_keeps_state_between_them(kernel, tmp_p
     assert r.stop is None
     assert r.cell_errors == [(5, "ZeroDivisionError: division by zero")]
     assert r.timed_out_cells == [8]
-    assert r.outputs == [(9, "x is 42\n")]
+    assert r.outputs == [(9, "x is 42\n"), (10, "[0]\n")]  # pinned to the core it was given
     assert [c.outputs[0]["text"] for c in s.nb.cells[-1:]] == ["revealed 42\n"]
     assert kernel.tree() == []  # leaving the session killed the kernel
 
