@@ -43,6 +43,8 @@ from jaxlab.grade.kernel import Kernel, kernel_env
 VARIANTS = {
     "default": {},  # sandboxed where bubblewrap runs
     "no-sandbox": {"sandbox": "off"},
+    # what sandboxed kernels give up: a compilation cache shared between kernels
+    "no-sandbox-no-cache": {"sandbox": "off", "compile_cache": False},
     "no-cache": {"compile_cache": False},
     "no-prestart": {"prestart": False},
     "unpinned": {"pin_cpus": False},
