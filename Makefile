@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: release check test
+.PHONY: release check test sandbox
 
 $(BIN)/jaxlab: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,3 +19,9 @@ check: $(BIN)/jaxlab
 
 test: $(BIN)/jaxlab
 	$(BIN)/python -m pytest
+
+# bubblewrap, the sandbox `jaxlab grade` runs each kernel in (Debian/Ubuntu; needs root)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+sandbox:
+	command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; }

@@ -4,8 +4,10 @@
         --submission solutions/lab3-parallelism/lab3-parallelism.ipynb
 
 Prints both wall times, their ratio and whether every copy got the same scores both ways.
-Extra ``jaxlab grade`` settings (no prestart, no compilation cache, XLA threads) can be compared
-with ``--variant``. Also printed, measured in the same run:
+By default ``jaxlab grade`` runs twice, with and without the sandbox (``default`` and
+``no-sandbox``), and the ratio of the two is printed. Other settings (no prestart, no
+compilation cache, XLA threads) can be compared with ``--variant``. Also printed, measured in the
+same run:
 
 * the floor: the student's own cells alone, run in a fresh kernel pinned to one core with the
   batch's warm compilation cache, times the copies, divided by the cores. One core per kernel
@@ -35,10 +37,14 @@ from nbclient import NotebookClient
 
 from jaxlab.grade import grade
 from jaxlab.grade.autograder import open_autograder
-from jaxlab.grade.execute import Kernel, kernel_env, student_cells
+from jaxlab.grade.cells import student_cells
+from jaxlab.grade.kernel import Kernel, kernel_env
 
 VARIANTS = {
-    "default": {},
+    "default": {},  # sandboxed where bubblewrap runs
+    "no-sandbox": {"sandbox": "off"},
+    # what sandboxed kernels give up: a compilation cache shared between kernels
+    "no-sandbox-no-cache": {"sandbox": "off", "compile_cache": False},
     "no-cache": {"compile_cache": False},
     "no-prestart": {"prestart": False},
     "unpinned": {"pin_cpus": False},
@@ -71,7 +77,7 @@ def cells_seconds(submission, autograder, cpu, work, cache_dir):
             shutil.copy(path, kernel.workdir)
         NotebookClient(nb, km=kernel.km, timeout=600, kernel_name="python3").execute()
     finally:
-        kernel.kill()
+        kernel.close()
     spans = [cell.metadata["execution"] for cell in nb.cells]
     stamp = datetime.datetime.fromisoformat
     return sum((stamp(e["shell.execute_reply"]) - stamp(e["iopub.execute_input"])).total_seconds()
@@ -123,22 +129,29 @@ def main():
     copies = [shutil.copy(args.submission, subs / f"copy{i:02d}.ipynb") for i in range(args.copies)]
     copies = [pathlib.Path(c) for c in copies]
     results = {}
-    for variant in args.variant or ["default"]:
+    variants = args.variant or ["default", "no-sandbox"]
+    for variant in variants:
         out = work / f"grade-{variant}"
         memory = WorkerMemory()
         memory.start()
         t = time.perf_counter()
         grade(paths=[str(subs)], output_dir=str(out), autograder=args.autograder,
-              show=False, **VARIANTS[variant])
+              show=False, **{"sandbox": "require", **VARIANTS[variant]})
         results[variant] = (time.perf_counter() - t, jaxlab_scores(out))
         memory.halt.set()
         print(f"jaxlab grade [{variant}]: {results[variant][0]:.1f} s; peak memory per worker "
               f"{memory.tree_peak / 2**20:.0f} MiB with its kernels, "
               f"{memory.own_peak / 2**20:.0f} MiB for the worker process alone", flush=True)
+    if {"default", "no-sandbox"} <= set(results):
+        (on, on_scores), (off, off_scores) = results["default"], results["no-sandbox"]
+        print(f"sandbox on / off = {on / off:.3f} (target <= 1.05); identical scores: "
+              f"{on_scores == off_scores}", flush=True)
     cpus = sorted(os.sched_getaffinity(0))
     floor = None
     if args.floor_runs:
-        cache = work / f"grade-{(args.variant or ['default'])[0]}" / ".jaxlab" / "jax-cache"
+        # the warmest cache any variant left (sandboxed kernels write none)
+        caches = [work / f"grade-{v}" / ".jaxlab" / "jax-cache" for v in variants]
+        cache = max(caches, key=lambda c: len(list(c.glob("*"))) if c.is_dir() else -1)
         runs = [cells_seconds(args.submission, args.autograder, cpus[0], work / f"floor{i}",
                               cache) for i in range(args.floor_runs)]
         per_copy = statistics.median(runs)
@@ -146,6 +159,9 @@ def main():
         print(f"student cells alone on one core: {per_copy:.1f} s per copy (runs: "
               f"{', '.join(f'{r:.1f}' for r in runs)}); floor for {args.copies} copies on "
               f"{len(cpus)} cores: {floor:.1f} s", flush=True)
+        for variant, (seconds, _) in results.items():
+            print(f"[{variant}] jaxlab grade / floor = {seconds / floor:.2f} (target <= 1.15)",
+                  flush=True)
     if not args.skip_otter:
         t = time.perf_counter()
         theirs = otter_run_loop(args.autograder, copies, work / "otter")

@@ -1,23 +1,36 @@
-"""Build a folder of Lab 3 submissions covering every fault and tampering case, grade it once.
+"""Build a folder of Lab 3 submissions covering every fault, tampering and attack case, grade it
+with one ``jaxlab grade`` call.
 
     .venv/bin/python scripts/grade_demo.py /tmp/demo       # then look at /tmp/demo/grades/
 
 The folder holds the solution, the blank student notebook, a renamed correct submission, an
-infinite loop, a memory hog, a kernel killer and one notebook per tampering attempt.
+infinite loop, a memory hog (after Task 4, and one in Task 3's answer), a kernel killer, one
+notebook per tampering attempt, and one per attack on the grading machine of issue 10
+(tests/grade/attacks.py: network, the instructor's home, the hidden checks, other submissions,
+the grade folder, the compilation cache, the grader's processes), each answering Task 1 right
+only if its attack worked, plus a control with the same cell that attacks nothing.
 """
 
 import argparse
 import copy
+import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 
 import nbformat
 import pandas as pd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAB = "lab3-parallelism"
+sys.path.insert(0, str(ROOT / "tests" / "grade"))
+from attacks import ATTACKS, attack_notebook  # noqa: E402  (shared with the tests)
+
+SPOIL_Q1 = "A_sharded = jax.device_put(A + 1, sharding)"
+Q1_ANSWER = "### Your code here\nA_sharded"
 
 TAMPERING = {
     "tamper-otter-runner": """
@@ -69,7 +82,21 @@ def with_cell(nb, source, after):
     return nb
 
 
-def build(folder):
+def serve_token(token):
+    """A service on this machine's loopback that hands ``token`` to whoever connects."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(token)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1]
+
+
+def build(folder, targets):
     subs = folder / "submissions"
     subs.mkdir(parents=True)
     solution = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
@@ -92,6 +119,19 @@ def build(folder):
     for name, source in TAMPERING.items():
         nbformat.write(with_cell(wrong, source, 'grader.check("q1_device_put")'),
                        subs / f"{name}.ipynb")
+    # issue 10's attacks, after Task 1's answer: Task 1 stays right only if the attack worked
+    q1 = next(i for i, c in enumerate(sol.cells) if c.source.startswith(Q1_ANSWER))
+    for name in ATTACKS:
+        nbformat.write(attack_notebook(copy.deepcopy(sol), name, targets, q1, SPOIL_Q1),
+                       subs / f"attack-{name}.ipynb")
+    control = with_cell(sol, "ok = True\nif not ok:\n    " + SPOIL_Q1, Q1_ANSWER)
+    nbformat.write(control, subs / "control.ipynb")
+    # a memory hog inside Task 3's answer: a second run without that cell keeps the rest
+    hog = copy.deepcopy(sol)
+    cell = next(c for c in hog.cells
+                if c.source.startswith("### Your code here") and "shard_shapes" in c.source)
+    cell.source += "\n" + FAULTS["memory-hog"]
+    nbformat.write(hog, subs / "memory-hog-in-q3.ipynb")
     return subs
 
 
@@ -99,17 +139,30 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=pathlib.Path)
     ap.add_argument("--cell-timeout", default="60")
+    ap.add_argument("--sandbox", default="require")
     args = ap.parse_args()
     if args.folder.exists():
         shutil.rmtree(args.folder)
-    subs = build(args.folder)
+    home = args.folder / "instructor-home"  # stands in for the instructor's ~/.ssh
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("instructor-secret-key")
     out = args.folder / "grades"
+    targets = {"listener_port": serve_token(b"network-token"),
+               "secret": home / ".ssh" / "id_ed25519",
+               "autograder": ROOT / "autograder" / f"{LAB}-autograder.zip",
+               "subs": args.folder / "submissions", "out": out, "grader_pid": os.getpid()}
+    subs = build(args.folder, targets)
     subprocess.run([sys.executable, "-m", "jaxlab", "grade", str(subs), "-o", str(out),
-                    "--cell-timeout", args.cell_timeout, "--autograder",
-                    str(ROOT / "autograder" / f"{LAB}-autograder.zip")], check=True)
+                    "--cell-timeout", args.cell_timeout, "--sandbox", args.sandbox,
+                    "--autograder", str(targets["autograder"])], check=True)
     df = pd.read_csv(out / "final_grades.csv")
-    with pd.option_context("display.max_colwidth", 200, "display.width", 250):
-        print(df[["file", "total_points_earned", "grading_status"]].to_string(index=False))
+    questions = [c for c in df.columns if c.startswith("q")]
+    df["short"] = df[questions].apply(
+        lambda r: " ".join(f"{q.split('_')[0]}={r[q]:g}" for q in questions), axis=1)
+    with pd.option_context("display.max_colwidth", 400, "display.width", 400):
+        print(df[["file", "total_points_earned", "short", "grading_status"]].to_string(index=False))
+    print("files written into the grade folder by kernels:", sorted(
+        str(p.relative_to(out)) for p in out.rglob("*pwned*")) or "none")
 
 
 if __name__ == "__main__":

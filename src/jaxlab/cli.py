@@ -2,7 +2,17 @@
 
 import sys
 
+import inspect
+
 import click
+
+from .grade import grade as grade_api
+from .grade.sandbox import Mode
+
+SANDBOX_MODES = [m.value for m in Mode]
+# the CLI shows and passes the API's own defaults, which live in one place
+GRADE_DEFAULTS = {k: p.default for k, p in inspect.signature(grade_api).parameters.items()
+                  if p.default is not inspect.Parameter.empty}
 
 
 @click.group()
@@ -29,30 +39,35 @@ def release(check, root, colab_url, names):
 
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("-o", "--output-dir", default="grades", show_default=True,
+@click.option("-o", "--output-dir", default=GRADE_DEFAULTS["output_dir"], show_default=True,
               help="Where final_grades.csv, summaries and plots are written.")
 @click.option("--workers", type=int, default=None,
               help="Submissions graded at once (default: one per core).")
-@click.option("--timeout", type=float, default=600, show_default=True,
+@click.option("--timeout", type=float, default=GRADE_DEFAULTS["timeout"], show_default=True,
               help="Wall-clock limit in seconds for one submission.")
-@click.option("--cell-timeout", type=float, default=300, show_default=True,
+@click.option("--cell-timeout", type=float, default=GRADE_DEFAULTS["cell_timeout"],
+              show_default=True,
               help="Limit in seconds for one cell; a cell over it is interrupted.")
-@click.option("--memory", "memory_mb", type=int, default=4096, show_default=True,
+@click.option("--memory", "memory_mb", type=int, default=GRADE_DEFAULTS["memory_mb"],
+              show_default=True,
               help="Memory cap per submission in MiB.")
 @click.option("--assignment", default=None,
               help="Which shipped lab to grade against (default: guessed from the notebooks).")
 @click.option("--autograder", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Any otter autograder zip instead of a shipped one.")
 @click.option("--force", is_flag=True, help="Grade again what OUTPUT_DIR already holds.")
+@click.option("--sandbox", type=click.Choice(SANDBOX_MODES), default=GRADE_DEFAULTS["sandbox"],
+              show_default=True,
+              help="Run each kernel in a bubblewrap sandbox: 'auto' where bwrap runs (else say "
+                   "so in every row), 'require' to refuse grading without it, 'off' never.")
 def grade(paths, output_dir, workers, timeout, cell_timeout, memory_mb, assignment, autograder,
-          force):
+          force, sandbox):
     """Grade submissions (.ipynb, grader.export() zips, or folders of them) without Docker."""
-    from .grade import grade as run_grade
-
     try:
-        ok = run_grade(paths=list(paths), output_dir=output_dir, workers=workers,
+        ok = grade_api(paths=list(paths), output_dir=output_dir, workers=workers,
                        timeout=timeout, cell_timeout=cell_timeout, memory_mb=memory_mb,
-                       assignment=assignment, autograder=autograder, force=force)
+                       assignment=assignment, autograder=autograder, force=force,
+                       sandbox=sandbox)
     except (ValueError, FileNotFoundError) as exc:  # which autograder to use
         raise click.UsageError(str(exc)) from None
     sys.exit(0 if ok else 1)

@@ -1,7 +1,6 @@
 """One real batch over faulty, bad and tampering submissions built from the fixture's solution."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -60,7 +59,7 @@ with open("results.pkl", "wb") as f:
     pickle.dump(GradingResults([]), f)
 def forge():
     for _ in range(400):
-        for d in glob.glob(os.getcwd() + "/../../evidence-*"):
+        for d in glob.glob(os.getcwd() + "/../reveal/evidence-*"):
             for q in ("q1", "q2", "q3"):
                 try:
                     with open(f"{d}/claim-{q}.json", "w") as f:
@@ -114,14 +113,18 @@ def submissions(lab, root):
         "per-cell limit", "interrupted")
     add("hang.ipynb", with_cell(sol(), "y_mean", "import signal\n"
         "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"), NONE, "Timed out")
-    add("exit.ipynb", with_cell(sol(), "y", "import os\nos._exit(1)"), NONE, "kernel died")
+    # a cell that kills the kernel is skipped in a second run; nothing else needs it here
+    add("exit.ipynb", with_cell(sol(), "y", "import os\nos._exit(1)"), FULL, "Completed",
+        "kernel died in cell", "skipped in a second run")
     add("memory.ipynb", with_cell(sol(), "y", "hog = []\nwhile True:\n"
-        "    hog.append(bytearray(b'x' * 50 * 2**20))"), NONE, "memory", "cap")
+        "    hog.append(bytearray(b'x' * 50 * 2**20))"), FULL, "Completed", "memory", "cap",
+        "skipped in a second run")
     add("flood.ipynb", with_cell(sol(), "y_mean", "for _ in range(30):\n    print('x' * 10**5)"),
         FULL, "output over the cap")
     add("escape.ipynb", with_cell(sol(), "y_mean", ESCAPE), FULL, "Completed")
+    # the sandbox's PID namespace: the kernel's parent is the namespace's init, not the worker
     add("kill_grader.ipynb", with_cell(sol(), "y", "import os, signal\n"
-        "os.kill(os.getppid(), signal.SIGKILL)"), NONE, "grading process")
+        "os.kill(os.getppid(), signal.SIGKILL)"), FULL, "Completed")
     # bad inputs
     add("not_json.ipynb", b"this is not JSON", NONE, "not valid JSON")
     add("not_notebook.ipynb", b'{"hello": 1}', NONE, "no list of cells")

@@ -1,6 +1,5 @@
 """An otter zip without a jaxlab checks module is graded by otter's tests in the kernel."""
 
-import pathlib
 import zipfile
 
 import pandas as pd
@@ -19,8 +18,8 @@ def generic_batch(lab, tmp_path_factory):
     with zipfile.ZipFile(lab.autograder) as src, zipfile.ZipFile(plain, "w") as dst:
         for item in src.infolist():
             data = src.read(item)
-            if item.filename == "files/jaxlab_fixture.py":  # hide it from the checks-module search
-                data = data.replace(b"def verdict", b"def judge").replace(b"verdict(", b"judge(")
+            if item.filename == "files/jaxlab_fixture.py":  # no longer a declared checks module
+                data = data.replace(b"JAXLAB_CHECKS = 1", b"")
             dst.writestr(item, data)
     subs = root / "subs"
     write(lab.notebook(), subs / "solution.ipynb")

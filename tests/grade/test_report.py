@@ -2,6 +2,7 @@ import types
 
 import matplotlib.image
 
+from jaxlab.grade.model import Record
 from jaxlab.grade.report import PLOT, in_notebook_order, per_question, plot_distribution, \
     question_table
 
@@ -20,8 +21,8 @@ def record(file, scores=None, outcomes=None, catastrophic=False):
     questions = {q: {"cases": [{"points": 0.0, "passed": True}] + [
         {"points": 1.0, "passed": i < scores[q]} for i in range(int(AG.points[q]))]}
         for q in (scores or {})}
-    return {"file": file, "catastrophic": catastrophic, "questions": questions,
-            "outcomes": outcomes or {}}
+    return Record(file=file, sha256="", catastrophic=catastrophic, questions=questions,
+                  outcomes=outcomes or {})
 
 
 RECORDS = [

@@ -714,3 +714,4 @@ QUESTIONS = {
 }
 
 probe, verdict, check = form.entry_points(QUESTIONS)
+JAXLAB_CHECKS = 1  # declares the probe/verdict contract `jaxlab grade` relies on

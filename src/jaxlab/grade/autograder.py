@@ -1,5 +1,6 @@
 """Open an otter autograder zip: its questions, points, support files and jaxlab checks module."""
 
+import ast
 import dataclasses
 import hashlib
 import json
@@ -12,6 +13,8 @@ from otter.test_files import create_test_file
 
 CHECKS_FILE_GLOB = "jaxlab_*.py"
 FORM_MODULE = "jaxlab_form"
+# a checks module declares ``JAXLAB_CHECKS = 1`` beside its QUESTIONS, probe and verdict
+CHECKS_MARKER = "JAXLAB_CHECKS"
 
 
 @dataclasses.dataclass
@@ -69,13 +72,20 @@ def read_autograder(dest):
 
 def _find_checks_module(files):
     for path in sorted(files.glob(CHECKS_FILE_GLOB)) if files.is_dir() else []:
-        text = path.read_text(errors="replace")
-        # a checks module registers QUESTIONS and exposes probe/verdict (defined there or
-        # through jaxlab_form.entry_points)
-        if path.stem != FORM_MODULE and "QUESTIONS" in text and \
-                ("def verdict" in text or "entry_points(QUESTIONS)" in text):
+        if path.stem != FORM_MODULE and _declares(path, CHECKS_MARKER):
             return path.stem
     return None
+
+
+def _declares(path, name):
+    """Whether the module at ``path`` assigns ``name`` at its top level (read, not imported)."""
+    try:
+        tree = ast.parse(path.read_text(errors="replace"))
+    except SyntaxError:
+        return False
+    return any(isinstance(node, ast.Assign) and
+               any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+               for node in tree.body)
 
 
 def shipped_autograder(assignment=None, notebooks=()):

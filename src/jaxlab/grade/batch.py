@@ -1,5 +1,6 @@
 """Grade a batch of submissions with a pool of trusted worker processes."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -12,62 +13,79 @@ import tempfile
 import threading
 import time
 
-import psutil
 from tqdm import tqdm
 
-from . import report
+from . import process, report
 from .autograder import open_autograder, shipped_autograder
+from .sandbox import Mode, SandboxUnavailable, decide
 from .submissions import collect
-from .worker import kill_and_reap, set_subreaper
+from .model import Limits, Record, Settings
 
 GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its record
 
 
-def grade(*, paths, output_dir="grades", workers=None, timeout=600, cell_timeout=300,
-          memory_mb=4096, assignment=None, autograder=None, force=False, output_cap_mb=10,
-          prestart=True, compile_cache=True, xla_threads=None, pin_cpus=None, show=True):
-    """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran."""
+def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
+          cell_timeout=Limits.cell_timeout, memory_mb=Limits.memory_mb, assignment=None,
+          autograder=None, force=False, output_cap_mb=Limits.output_cap_mb, prestart=True,
+          compile_cache=True, xla_threads=None, pin_cpus=None, sandbox=Mode.AUTO.value,
+          show=True):
+    """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran.
+
+    ``sandbox``: "auto" runs each kernel in a bubblewrap sandbox where bwrap runs here and says
+    in every row where it does not; "require" refuses to grade without one; "off" never uses one.
+    """
     started = time.time()
     out = pathlib.Path(output_dir)
     subs = collect(paths, exclude=[out])
     if not subs:
         print("jaxlab grade: no .ipynb or .zip submissions found", file=sys.stderr)
         return False
+    try:
+        isolation = decide(sandbox)
+    except SandboxUnavailable as exc:
+        print(f"jaxlab grade: refusing to grade: {exc}", file=sys.stderr)
+        return False
+    if not isolation.sandboxed:
+        print(f"jaxlab grade: kernels run with your own rights, {isolation.status}",
+              file=sys.stderr)
     zip_path = autograder or shipped_autograder(assignment, [s.path for s in subs])
     state = out / ".jaxlab"
     (state / "records").mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-grade-"))
-    set_subreaper()
+    process.set_subreaper()
     try:
         ag = open_autograder(zip_path, scratch / "autograder")
         digests = {s.file: s.digest() for s in subs}
         records = {} if force else _previous(state / "records", digests)
         pending = [s for s in subs if s.file not in records]
-        settings = {"autograder_root": str(ag.root), "fingerprint": ag.fingerprint(),
-                    "timeout": timeout, "cell_timeout": cell_timeout, "memory_mb": memory_mb,
-                    "output_cap": output_cap_mb * 2**20, "scratch": str(scratch),
-                    "cache_dir": str(state / "jax-cache") if compile_cache else None,
-                    "prestart": prestart, "xla_threads": xla_threads}
+        settings = Settings(
+            autograder_root=str(ag.root), fingerprint=ag.fingerprint(), scratch=str(scratch),
+            limits=Limits(timeout, cell_timeout, memory_mb, output_cap_mb),
+            sandboxed=isolation.sandboxed, prestart=prestart, xla_threads=xla_threads,
+            cache_dir=str(state / "jax-cache") if compile_cache else None,
+            log=str(state / "workers.log"))
         jobs = queue.Queue()
         for s in pending:
             jobs.put({"submission": str(s.path), "file": s.file, "sha256": digests[s.file],
                       "record": str(scratch / f"{_key(s.file)}.json")})
         done = queue.Queue()
         n = max(1, min(workers or os.cpu_count() or 1, len(pending)))
-        settings["log"] = str(state / "workers.log")
         cpus = sorted(os.sched_getaffinity(0))
         if pin_cpus is None:  # one kernel per core measured 15% faster than sharing both
             pin_cpus = n <= len(cpus)
         slots = [threading.Thread(target=_slot, daemon=True, args=(
-                     {**settings, "cpu": cpus[i % len(cpus)] if pin_cpus else None}, jobs, done))
+                     dataclasses.replace(settings, cpu=cpus[i % len(cpus)] if pin_cpus else None),
+                     jobs, done))
                  for i in range(n if pending else 0)]
         for t in slots:
             t.start()
         with tqdm(total=len(pending), unit="nb", desc="grading", disable=not show) as bar:
             for _ in pending:
                 record = done.get()
-                records[record["file"]] = record
-                (state / "records" / f"{_key(record['file'])}.json").write_text(json.dumps(record))
+                if isolation.status:
+                    record.status = f"{record.status}; {isolation.status}"
+                records[record.file] = record
+                record.write(state / "records" / f"{_key(record.file)}.json")
                 report.write_submission(out, record, ag)
                 report.write_csv(out, _ordered(records, subs), ag)
                 bar.update()
@@ -95,11 +113,11 @@ def _previous(folder, digests):
     records = {}
     for path in folder.glob("*.json"):
         try:
-            r = json.loads(path.read_text())
-        except ValueError:
+            r = Record.read(path)
+        except (ValueError, TypeError, KeyError):  # unreadable or from an older jaxlab
             continue
-        if digests.get(r.get("file")) == r.get("sha256"):
-            records[r["file"]] = r
+        if digests.get(r.file) == r.sha256:
+            records[r.file] = r
     return records
 
 
@@ -116,22 +134,22 @@ class _Process:
     """One worker subprocess; its stdout lines arrive on a queue so reads can time out."""
 
     def __init__(self, settings):
-        with open(settings["log"], "a") as log:
+        with open(settings.log, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxlab.grade.worker"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env(),
                 start_new_session=True)
         self.lines = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.send(settings)
+        self.send_line(settings.to_json())
 
     def _read(self):
         for line in self.proc.stdout:
             self.lines.put(line.strip())
         self.lines.put(None)
 
-    def send(self, obj):
-        self.proc.stdin.write(json.dumps(obj) + "\n")
+    def send_line(self, text):
+        self.proc.stdin.write(text + "\n")
         self.proc.stdin.flush()
 
     def wait_done(self, seconds):
@@ -148,15 +166,7 @@ class _Process:
             self.kill()
 
     def kill(self):
-        try:
-            tree = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            tree = []
-        for p in [*tree, self.proc]:
-            try:
-                p.kill()
-            except (psutil.Error, OSError):
-                pass
+        process.kill_and_reap(process.tree(self.proc.pid))
         self.proc.wait()
 
 
@@ -170,17 +180,18 @@ def _slot(settings, jobs, done):
                 return
             worker = worker or _Process(settings)
             try:
-                worker.send(job)
-                ok = worker.wait_done(settings["timeout"] + GRACE_S)
+                worker.send_line(json.dumps(job))
+                # a kernel death costs a second run, each up to the timeout
+                ok = worker.wait_done(2 * settings.limits.timeout + GRACE_S)
             except OSError:
                 ok = False
             record = _read_record(job) if ok else None
             if record is None:
                 worker.kill()
                 worker = None
-                record = {"file": job["file"], "sha256": job["sha256"], "catastrophic": True,
-                          "status": "the grading process for this submission died or hung",
-                          "flags": [], "questions": {}, "outcomes": {}}
+                record = Record(job["file"], job["sha256"], catastrophic=True,
+                                status="the grading process for this submission died or hung",
+                                sandboxed=settings.sandboxed)
             done.put(record)
     finally:
         if worker:
@@ -189,20 +200,14 @@ def _slot(settings, jobs, done):
 
 def _read_record(job):
     try:
-        record = json.loads(pathlib.Path(job["record"]).read_text())
-    except (OSError, ValueError):
+        record = Record.read(job["record"])
+    except (OSError, ValueError, TypeError, KeyError):
         return None
-    if record.get("file") != job["file"] or record.get("sha256") != job["sha256"]:
+    if record.file != job["file"] or record.sha256 != job["sha256"]:
         return None
     return record
 
 
 def _sweep(since):
     """Kill any process this batch started that is still alive (none should be)."""
-    def ours(p):
-        try:
-            return p.create_time() >= since - 1
-        except psutil.Error:
-            return False
-
-    kill_and_reap(p for p in psutil.Process().children(recursive=True) if ours(p))
+    process.kill_and_reap(process.descendants(since=since))

@@ -1,15 +1,15 @@
 """Score a submission in a trusted process from the evidence its kernel left behind.
 
-Points-carrying test cases are decided here by the lab's ``verdict`` on plain data; the kernel's
-own run of otter's tests (its *claim*, gathered only for questions the verdict fails) decides
-their 0-point public cases, and any case where it claims more than the verdict gives is
-reported as tampering.
+Two steps, each done once. ``verdicts`` runs the lab's ``verdict`` on each question's probe
+evidence (plain data): it alone decides the points-carrying test cases. ``score`` then puts
+otter's test files together: the kernel's own run of otter's tests (its *claim*, gathered only
+for questions the verdict fails) decides their 0-point public cases, and any case where it
+claims more than the verdict gives is reported as tampering.
 """
 
 import copy
 import dataclasses
 import json
-import pathlib
 import re
 
 from otter.test_files import TestCaseResult
@@ -19,46 +19,58 @@ from ..checks.form import load_evidence
 MAX_EVIDENCE_BYTES = 512 * 2**20
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    message: str | None  # why it failed, for the student
+    outcome: str  # "pass" | "fail" | "error" | "timeout"
+    suspicious: tuple = ()  # graded names whose value claims to equal any object
+
+
 @dataclasses.dataclass
 class Judgement:
     test_files: list  # otter TestFile objects with results
-    outcomes: dict  # question -> "pass" | "fail" | "error"
+    outcomes: dict  # question -> "pass" | "fail" | "error" | "timeout"
     flags: list  # tampering suspicions, in words
 
 
-def judge(autograder, checks, evidence_dir, no_answers_reason=None):
-    evidence_dir = pathlib.Path(evidence_dir)
+def verdicts(autograder, checks, layout, no_answers_reason=None):
+    """question -> Verdict, for the questions the checks module covers (none without one)."""
+    if checks is None:
+        return {}
+    return {q: _verdict(checks, q, layout.probe(q), no_answers_reason)
+            for q in autograder.tests if q in checks.QUESTIONS}
+
+
+def score(autograder, decided, layout, no_answers_reason=None):
+    """otter's test files with results, from the trusted ``decided`` verdicts and the claims."""
     test_files, outcomes, flags, cheated = [], {}, [], []
     for q, template in autograder.tests.items():
-        claim = _read_claim(evidence_dir / f"claim-{q}.json")
-        trusted = checks is not None and q in checks.QUESTIONS
-        if trusted:
-            passed, message, outcome, suspicious = _verdict(checks, q, evidence_dir,
-                                                            no_answers_reason)
-            flags += [f"`{n}` claims to equal any object" for n in suspicious]
+        claim = _read_claim(layout.claim(q))
+        v = decided.get(q)
+        if v is not None:
+            flags += [f"`{n}` claims to equal any object" for n in v.suspicious]
         results = []
         for i, tc in enumerate(template.test_cases):
             claimed = claim[i] if i < len(claim) else None
-            if trusted and tc.points:
-                results.append(TestCaseResult(tc, None if passed else message, passed))
-                if claimed and claimed[0] and not passed:
+            if v is not None and tc.points:
+                results.append(TestCaseResult(tc, None if v.passed else v.message, v.passed))
+                if claimed and claimed[0] and not v.passed:
                     cheated.append(q)
             elif claimed is not None:
                 results.append(TestCaseResult(tc, claimed[1] or None, claimed[0]))
-            elif trusted and passed:
+            elif v is not None and v.passed:
                 # no claim is gathered for a question the verdict passes, and every verdict
                 # checks the form its public cases check
                 results.append(TestCaseResult(tc, None, True))
             else:
                 results.append(TestCaseResult(tc, no_answers_reason or "the test did not run",
                                               False))
-        if not trusted:
-            outcome = "pass" if all(r.passed for r in results) else \
-                "fail" if claim else "error"
+        outcomes[q] = v.outcome if v is not None else \
+            "pass" if all(r.passed for r in results) else "fail" if claim else "error"
         tf = copy.copy(template)
         tf.test_case_results = results
         test_files.append(tf)
-        outcomes[q] = outcome
     if cheated:
         flags.insert(0, f"the kernel reported {', '.join(sorted(set(cheated)))} as passed but "
                         "the trusted check failed")
@@ -73,30 +85,29 @@ def _read_claim(path):
         return []
 
 
-def _verdict(checks, q, evidence_dir, no_answers_reason):
-    """(passed, message, outcome, names claiming equality with anything)."""
-    path = evidence_dir / f"{q}.json"
+def _verdict(checks, q, path, no_answers_reason):
     if not path.exists():
         reason = no_answers_reason or "the grader could not read the answers"
-        return False, f"Not graded: {reason}.", "error", []
+        return Verdict(False, f"Not graded: {reason}.", "error")
     try:
         size = path.stat().st_size + path.with_suffix(".npz").stat().st_size
         if size > MAX_EVIDENCE_BYTES:
             raise ValueError("evidence too large")
         envelope = load_evidence(path)
-        suspicious = [str(n) for n in envelope.get("equal_to_anything", [])]
+        suspicious = tuple(str(n) for n in envelope.get("equal_to_anything", []))
         error = envelope.get("error")
         evidence = envelope.get("evidence")
     except Exception as exc:
-        return False, f"Not graded: unreadable evidence ({type(exc).__name__}).", "error", []
+        return Verdict(False, f"Not graded: unreadable evidence ({type(exc).__name__}).", "error")
     if error is not None:
-        return False, f"Checking this question raised {error}", \
-            "timeout" if re.match(r"KeyboardInterrupt", str(error)) else "error", suspicious
+        return Verdict(False, f"Checking this question raised {error}",
+                       "timeout" if re.match(r"KeyboardInterrupt", str(error)) else "error",
+                       suspicious)
     try:
         checks.verdict(q, evidence)
     except AssertionError as exc:
-        return False, str(exc) or "wrong answer", "fail", suspicious
+        return Verdict(False, str(exc) or "wrong answer", "fail", suspicious)
     except Exception as exc:
-        return False, f"Your answer could not be checked ({type(exc).__name__}: {exc}).", \
-            "fail", suspicious
-    return True, None, "pass", suspicious
+        return Verdict(False, f"Your answer could not be checked ({type(exc).__name__}: {exc}).",
+                       "fail", suspicious)
+    return Verdict(True, None, "pass", suspicious)

@@ -15,11 +15,11 @@ PLOT = "score_distribution.png"
 
 def results_of(record, autograder):
     """The otter ``GradingResults`` a worker's record stands for."""
-    if record["catastrophic"]:
-        results = GradingResults.without_results(Exception(record["status"]))
+    if record.catastrophic:
+        results = GradingResults.without_results(Exception(record.status))
     else:
         test_files = []
-        for q, data in record["questions"].items():
+        for q, data in record.questions.items():
             tf = type(autograder.tests[q])(q, data["path"], [], data["all_or_nothing"])
             for case in data["cases"]:
                 tc = TestCase(case["name"], None, case["hidden"], case["points"],
@@ -28,7 +28,7 @@ def results_of(record, autograder):
                 tf.test_case_results.append(TestCaseResult(tc, case["message"], case["passed"]))
             test_files.append(tf)
         results = GradingResults(test_files)
-    results.file = record["file"]
+    results.file = record.file
     return results
 
 
@@ -40,8 +40,8 @@ def write_submission(out, record, autograder):
     results = results_of(record, autograder)
     for folder in (SUMMARIES, GRADESCOPE):
         (out / folder).mkdir(exist_ok=True)
-    (out / SUMMARIES / f"{stem(record['file'])}.txt").write_text(results.summary())
-    (out / GRADESCOPE / f"{stem(record['file'])}.json").write_text(
+    (out / SUMMARIES / f"{stem(record.file)}.txt").write_text(results.summary())
+    (out / GRADESCOPE / f"{stem(record.file)}.json").write_text(
         json.dumps(results.to_gradescope_dict(autograder.config), indent=2))
 
 
@@ -50,7 +50,7 @@ def write_csv(out, records, autograder):
     if not records:
         return None
     df = merge_scores_to_df([results_of(r, autograder) for r in records])
-    status = {r["file"]: r["status"] for r in records}
+    status = {r.file: r.status for r in records}
     rows = df[SCORES_DICT_FILE_KEY].isin(status)
     df.loc[rows, SCORES_DICT_GRADING_STATUS_KEY] = df.loc[rows, SCORES_DICT_FILE_KEY].map(status)
     tmp = out / "final_grades.csv.tmp"
@@ -85,9 +85,9 @@ def per_question(records, autograder):
     for r in records:
         for q in in_notebook_order(autograder.points):
             possible = autograder.points[q]
-            data = r["questions"].get(q)
+            data = r.questions.get(q)
             score = sum(c["points"] for c in data["cases"] if c["passed"]) if data else 0.0
-            outcome = "error" if r["catastrophic"] else r["outcomes"].get(q, "error")
+            outcome = "error" if r.catastrophic else r.outcomes.get(q, "error")
             if outcome == "timeout":
                 category = "timed out"
             elif outcome == "error" and score == 0:
@@ -98,7 +98,7 @@ def per_question(records, autograder):
                 category = "partial"
             else:
                 category = "zero"
-            rows.append({"file": r["file"], "question": q, "points": score,
+            rows.append({"file": r.file, "question": q, "points": score,
                          "possible": possible, "category": category})
     return pd.DataFrame(rows, columns=["file", "question", "points", "possible", "category"])
 
@@ -153,7 +153,7 @@ def plot_distribution(out, records, autograder, title=None):
     shares = (long.groupby(["question", "category"]).size().unstack(fill_value=0)
               .reindex(index=questions, columns=list(CATEGORIES), fill_value=0) / max(n, 1))
     possible = sum(autograder.points.values())
-    totals = long.groupby("file")["points"].sum().reindex([r["file"] for r in records],
+    totals = long.groupby("file")["points"].sum().reindex([r.file for r in records],
                                                            fill_value=0.0)
     percent = 100 * totals / possible if possible else totals * 0
 

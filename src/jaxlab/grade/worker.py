@@ -1,14 +1,15 @@
 """A trusted grading process: ``python -m jaxlab.grade.worker``, driven over stdin.
 
-The first stdin line is the batch settings (JSON); each further line is one job
-``{"submission", "file", "record"}``. For each job it runs the notebook in a fresh kernel, judges
-the evidence, writes the record file and prints ``done``. Kernel output never reaches stdout.
+The first stdin line is the batch's Settings (JSON); each further line is one job
+``{"submission", "file", "sha256", "record"}``. For each job it grades the notebook in a fresh
+kernel (sandboxed when the batch is), writes the Record file and prints ``done``. Kernel output
+never reaches stdout.
 """
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
-import os
 import pathlib
 import re
 import secrets
@@ -17,11 +18,15 @@ import sys
 import tempfile
 import time
 
-import psutil
+from otter.nbmeta_config import NBMetadataConfig
 
+from . import process
 from .autograder import FORM_MODULE, read_autograder
-from .execute import Kernel, claim_cells, execute, kernel_env, probe_cells, student_cells
-from .judge import judge
+from .cells import claim_cells, probe_cells, student_cells
+from .judge import score, verdicts
+from .kernel import Kernel, kernel_env
+from .model import EvidenceLayout, Record, Settings, StopKind
+from .session import Session
 from .submissions import BadSubmission, read_submission
 
 # what otter run / otter grade / Gradescope read results from
@@ -29,48 +34,37 @@ RESULT_FILES = {"results.json", "results.pkl", "results.txt"}
 NOT_TAMPER_CHECKED = "not tamper-checked: the autograder has no jaxlab checks module"
 
 
-def kill_and_reap(procs):
-    procs = list(procs)
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)  # reaps our own children, so no zombie is left
+@dataclasses.dataclass
+class Run:
+    """One run of a submission in one kernel: what happened and how it scored."""
 
-
-def release_memory():
-    """Give freed heap back to the OS, so a worker's resident size stays near its live data."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)
-    except Exception:
-        pass
-
-
-def set_subreaper():
-    """Orphaned descendants (e.g. a kernel's double-forked child) re-parent to this process."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except Exception:
-        pass
+    ex: object  # session.Execution
+    judgement: object  # judge.Judgement
+    strangers: list  # files in the evidence folder that the grader did not write
 
 
 class Worker:
     def __init__(self, settings):
         self.s = settings
-        self.ag = read_autograder(settings["autograder_root"])
-        self.scratch = pathlib.Path(tempfile.mkdtemp(prefix="worker-", dir=settings["scratch"]))
+        self.ag = read_autograder(settings.autograder_root)
+        self.scratch = pathlib.Path(tempfile.mkdtemp(prefix="worker-", dir=settings.scratch))
         self.kernels = self.scratch / "kernels"
         self.kernels.mkdir()
-        self.env = kernel_env(settings.get("cache_dir"), settings.get("xla_threads"))
+        # a sandboxed kernel gets no compilation cache another kernel wrote: its entries are
+        # code the next kernel would run
+        self.env = kernel_env(None if settings.sandboxed else settings.cache_dir,
+                              settings.xla_threads)
         self.checks = self._import_checks() if self.ag.checks_module else None
         self.spare = None
-        if settings.get("prestart", True):
-            self.spare = Kernel.start(self.env, self.kernels, self.s.get("cpu"))
+        self._prestart()
+
+    def _start_kernel(self):
+        return Kernel.start(self.env, self.kernels, self.s.cpu, sandboxed=self.s.sandboxed)
+
+    def _prestart(self):
+        """Start the next submission's kernel while this one runs."""
+        if self.s.prestart and self.spare is None:
+            self.spare = self._start_kernel()
 
     def _import_checks(self):
         sys.path.insert(0, str(self.ag.files))
@@ -83,109 +77,134 @@ class Worker:
 
     def _untouched(self):
         return all(hashlib.sha256(pathlib.Path(p).read_bytes()).hexdigest() == h
-                   for p, h in self.s["fingerprint"].items())
+                   for p, h in self.s.fingerprint.items())
 
     def grade(self, job):
         start = time.monotonic()
-        record = {"file": job["file"], "sha256": job["sha256"], "catastrophic": False,
-                  "flags": [], "questions": {}, "outcomes": {}}
+        record = Record(file=job["file"], sha256=job["sha256"], sandboxed=self.s.sandboxed)
         try:
             if not self._untouched():
                 raise BadSubmission("the grader's own files changed during the batch; "
                                     "grade again with --force")
-            nb, extra = read_submission(job["submission"])
-            self._run(nb, extra, record)
+            nb, files = read_submission(job["submission"])
+            self._check_assignment(nb)
+            self._grade(student_cells(nb), files, record)
         except BadSubmission as exc:
-            record.update(catastrophic=True, status=str(exc))
+            record.catastrophic, record.status = True, str(exc)
         except Exception as exc:  # a grader bug must cost one row, not the batch
-            record.update(catastrophic=True, status=f"grader error: {type(exc).__name__}: {exc}")
-        record["seconds"] = round(time.monotonic() - start, 2)
-        release_memory()
-        tmp = pathlib.Path(job["record"] + ".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, job["record"])
+            record.catastrophic = True
+            record.status = f"grader error: {type(exc).__name__}: {exc}"
+        record.seconds = round(time.monotonic() - start, 2)
+        process.release_memory()
+        record.write(job["record"])
 
-    def _run(self, nb, extra, record):
-        cells = student_cells(nb)
-        kernel = self.spare or Kernel.start(self.env, self.kernels, self.s.get("cpu"))
-        self.spare = None
-        private = self.scratch / f"private-{secrets.token_hex(16)}"
-        # created only once the student's cells are done, under a name they never saw
-        evidence = self.scratch / f"evidence-{secrets.token_hex(16)}"
-        try:
-            workdir = pathlib.Path(kernel.workdir)
-            for name, data in extra.items():
-                (workdir / name).parent.mkdir(parents=True, exist_ok=True)
-                (workdir / name).write_bytes(data)
-            for path in self.ag.support_files():
-                dest = workdir / path.relative_to(self.ag.files)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, dest)
-            tests = {q: private / f"test_{q}.py" for q in self.ag.tests}
-            if self.checks:
-                # the kernel's own run of otter's tests is only needed where the trusted
-                # verdict fails: a claimed pass there is the sign of tampering
-                extra = probe_cells(self.checks.QUESTIONS, self.ag.checks_module, private,
-                                    evidence)
+    def _check_assignment(self, nb):
+        """otter's rule: a zip that names its assignment grades only notebooks of that name."""
+        want = self.ag.assignment_name
+        got = NBMetadataConfig.from_notebook(nb).assignment_name
+        if want and got != want:
+            raise BadSubmission(
+                f"this notebook is for assignment {got!r}, but the autograder grades {want!r}; "
+                "grade it with that assignment's autograder" if got else
+                f"this notebook names no assignment, but the autograder grades {want!r} "
+                "(otter refuses it too)")
 
-                def then():
-                    failing = judge(self.ag, self.checks, evidence).outcomes
-                    return claim_cells({q: t for q, t in tests.items()
-                                        if failing.get(q) != "pass"}, private, evidence)
-            else:
-                extra, then = claim_cells(tests, private, evidence), None
-            ex = execute(kernel, cells, extra, timeout=self.s["timeout"],
-                         cell_timeout=self.s["cell_timeout"], memory_mb=self.s["memory_mb"],
-                         output_cap=self.s["output_cap"], on_start=self._prestart,
-                         on_grader_start=lambda: self._reveal(private, tests, evidence),
-                         then=then)
-            verdicts = judge(self.ag, self.checks, evidence, no_answers_reason=ex.killed)
-            expected = {f"{p}{q}.{x}" for q in self.ag.tests for p in ("", "claim-")
-                        for x in ("json", "npz")}
-            strangers = sorted(p.name for p in evidence.glob("*") if p.name not in expected)
-            forged = [name for name in ex.files if name in RESULT_FILES]
-        finally:
-            kernel.kill()
-            self._reap()
-            shutil.rmtree(private, ignore_errors=True)
-            shutil.rmtree(evidence, ignore_errors=True)
-        record["questions"] = {tf.name: _test_file_record(tf) for tf in verdicts.test_files}
-        record["outcomes"] = verdicts.outcomes
-        if ex.killed:
-            record["outcomes"] = {q: "timeout" if ex.killed.startswith("timed out") else o
-                                  for q, o in verdicts.outcomes.items() if o != "pass"} | \
-                {q: o for q, o in verdicts.outcomes.items() if o == "pass"}
-        record["flags"] = verdicts.flags + _imitated_reports(ex.outputs, list(self.ag.tests))
+    def _grade(self, cells, files, record):
+        """Grade; if a cell killed the kernel, grade again once without it."""
+        run = self._run(cells, files)
+        first = run.ex.stop
+        if first is not None and first.is_fault:
+            run = self._run([(i, src) for i, src in cells if i != first.cell], files)
+            record.skipped = {"cell": first.cell, "reason": first}
+        ex = run.ex
+        record.stop = ex.stop
+        record.questions = {tf.name: _test_file_record(tf) for tf in run.judgement.test_files}
+        timed_out = ex.stop is not None and ex.stop.kind is StopKind.TIMEOUT
+        record.outcomes = {q: "timeout" if timed_out and o != "pass" else o
+                           for q, o in run.judgement.outcomes.items()}
+        record.flags = run.judgement.flags + _imitated_reports(ex.outputs, list(self.ag.tests))
+        forged = [name for name in ex.files if name in RESULT_FILES]
         if forged:
-            record["flags"].append("the notebook wrote files named like grading results "
-                                   f"({', '.join(forged)}), which this grader never reads")
-        if strangers:
-            record["flags"].append("files the grader did not write appeared among its "
-                                   f"evidence ({', '.join(strangers[:5])})")
-        record["peak_mb"] = round(ex.peak_mb)
-        record["status"] = _status(ex, record["flags"], tamper_checked=self.checks is not None)
+            record.flags.append("the notebook wrote files named like grading results "
+                                f"({', '.join(forged)}), which this grader never reads")
+        if run.strangers:
+            record.flags.append("files the grader did not write appeared among its "
+                                f"evidence ({', '.join(run.strangers[:5])})")
+        record.peak_mb = round(ex.peak_mb)
+        record.status = _status(ex, record, self.s.limits.timeout,
+                                tamper_checked=self.checks is not None)
 
-    def _reveal(self, private, tests, evidence):
+    def _run(self, cells, files):
+        """One run in a fresh kernel, in its phases."""
+        kernel = self.spare or self._start_kernel()
+        self.spare = None
+        # created only once the student's cells are done, under names they never saw, in the
+        # one folder of the kernel's that is empty while they run
+        private = kernel.folder.reveal / f"private-{secrets.token_hex(16)}"
+        layout = EvidenceLayout(kernel.folder.reveal / f"evidence-{secrets.token_hex(16)}")
+        tests = {q: private / f"test_{q}.py" for q in self.ag.tests}
+        limits = self.s.limits
+        try:
+            self._place_files(kernel, files)
+            with Session(kernel, limits) as session:
+                self._prestart()
+                # 1. the student's cells
+                session.run([src for _, src in cells], [i for i, _ in cells])
+                # 2. the hidden checks and otter's tests appear, and an empty evidence folder
+                if session.alive:
+                    self._reveal(private, tests, layout)
+                # 3. each question's graded names, probed into plain data
+                if session.alive and self.checks:
+                    session.run(probe_cells(self.checks.QUESTIONS, self.ag.checks_module,
+                                            private, layout))
+                # 4. the trusted verdicts, once
+                stop = session.result.stop
+                reason = stop.describe(limits.timeout) if stop else None
+                decided = verdicts(self.ag, self.checks, layout, reason)
+                # 5. otter's own tests in the kernel where the verdict fails (all of them for
+                #    a zip without checks): a claimed pass there is the sign of tampering
+                failing = {q: t for q, t in tests.items()
+                           if q not in decided or not decided[q].passed}
+                if session.alive:
+                    session.run(claim_cells(failing, private, layout))
+            ex = session.result
+            # 6. the score, from the verdicts and the claims
+            reason = ex.stop.describe(limits.timeout) if ex.stop else None
+            judgement = score(self.ag, decided, layout, reason)
+            strangers = layout.strangers(self.ag.tests) if layout.folder.exists() else []
+        finally:
+            kernel.close()
+            self._reap()
+        return Run(ex, judgement, strangers)
+
+    def _place_files(self, kernel, files):
+        """The submission's other files and the autograder's support files, in its folder."""
+        work = pathlib.Path(kernel.workdir)
+        for name, data in files.items():
+            (work / name).parent.mkdir(parents=True, exist_ok=True)
+            (work / name).write_bytes(data)
+        for path in self.ag.support_files():
+            dest = work / path.relative_to(self.ag.files)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest)
+
+    def _reveal(self, private, tests, layout):
         """Create the hidden checks and the evidence folder once the student's cells are done."""
         private.mkdir(mode=0o700)
         for path in [*self.ag.hidden_files(), *self.ag.files.glob(f"{FORM_MODULE}.py")]:
             shutil.copyfile(path, private / path.name)
         for q, tf in self.ag.tests.items():
             shutil.copyfile(tf.path, tests[q])
-        evidence.mkdir(mode=0o700)
+        layout.folder.mkdir(mode=0o700)
 
     def _reap(self):
         """Kill every process left from this job: orphans of the kernel land here (subreaper)."""
         keep = {p.pid for p in self.spare.tree()} if self.spare else set()
-        kill_and_reap(p for p in psutil.Process().children(recursive=True) if p.pid not in keep)
-
-    def _prestart(self):
-        if self.s.get("prestart", True) and self.spare is None:
-            self.spare = Kernel.start(self.env, self.kernels, self.s.get("cpu"))
+        process.kill_and_reap(process.descendants(keep=keep))
 
     def close(self):
         if self.spare:
-            self.spare.kill()
+            self.spare.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -206,31 +225,35 @@ def _imitated_reports(outputs, questions):
     return [f"cell {i} printed text imitating a grading report" for i in cells]
 
 
-def _status(ex, flags, tamper_checked):
-    parts = [f"Killed: {ex.killed}" if ex.killed and not ex.killed.startswith("timed out")
-             else f"Timed out: {ex.killed.removeprefix('timed out: ')}" if ex.killed
-             else "Completed"]
+def _status(ex, record, timeout, tamper_checked):
+    stop = ex.stop
+    parts = ["Completed" if stop is None
+             else f"Timed out: {stop.describe(timeout)}" if stop.kind is StopKind.TIMEOUT
+             else f"Killed: {stop.describe(timeout)}"]
+    if record.skipped:
+        first = record.skipped["reason"]
+        parts.append(f"cell {record.skipped['cell']} skipped in a second run (first run: "
+                     f"{first.describe(timeout)}); questions that need it get no credit")
     if ex.timed_out_cells:
-        cells = ", ".join(str(i) for i, _ in ex.timed_out_cells)
+        cells = ", ".join(str(i) for i in ex.timed_out_cells)
         parts.append(f"cell {cells} ran over the per-cell limit and was interrupted")
-    student_errors = [(i, e) for i, e in ex.cell_errors if i is not None]
-    if student_errors:
-        i, e = student_errors[0]
-        parts.append(f"{len(student_errors)} cell(s) raised errors (first: cell {i}, {e})")
-    if len(student_errors) < len(ex.cell_errors):
+    if ex.cell_errors:
+        i, e = ex.cell_errors[0]
+        parts.append(f"{len(ex.cell_errors)} cell(s) raised errors (first: cell {i}, {e})")
+    if ex.grader_timeouts:
         parts.append("a check ran over the per-cell limit")
     if ex.output_truncated:
         parts.append("output over the cap was dropped")
     if not tamper_checked:
         parts.append(NOT_TAMPER_CHECKED)
-    if flags:
-        parts.append("TAMPERING SUSPECTED: " + "; ".join(flags))
+    if record.flags:
+        parts.append("TAMPERING SUSPECTED: " + "; ".join(record.flags))
     return "; ".join(parts)
 
 
 def main():
-    set_subreaper()
-    worker = Worker(json.loads(sys.stdin.readline()))
+    process.set_subreaper()
+    worker = Worker(Settings.from_json(sys.stdin.readline()))
     try:
         for line in sys.stdin:
             worker.grade(json.loads(line))

@@ -1,0 +1,144 @@
+"""Which cells of a submission are the student's, and the grader's cells that run after them.
+
+The grader's cells run in the untrusted kernel: a probe per question turns the graded names into
+plain data (JSON + npz, no pickle), and a claim runs otter's own tests there; both only write
+files into the evidence folder, which the trusted worker judges.
+"""
+
+import ast
+
+OTTER_CALLS = {"check", "check_all", "export", "to_pdf", "run_plugin", "submit"}
+IGNORE_TAG = "otter_ignore"
+
+
+def student_cells(nb):
+    """(index, source) of the code cells otter's grading would run as the student's own."""
+    graders = _grader_names(nb)
+    return [(i, cell.source) for i, cell in enumerate(nb.cells)
+            if cell.cell_type == "code" and not any(skip(cell, graders) for skip in SKIPPED)]
+
+
+def _ignored_by_otter(cell, graders):
+    meta = cell.get("metadata", {})
+    return IGNORE_TAG in meta.get("tags", []) or meta.get("otter", {}).get("ignore", False)
+
+
+def _only_otter_calls(cell, graders):
+    return _is_otter_cell(cell.source, graders)
+
+
+# each predicate removes only cells that hold no student code; add one for a new kind of cell
+SKIPPED = (_ignored_by_otter, _only_otter_calls)
+
+
+def _grader_names(nb):
+    names = {"grader"}
+    for cell in nb.cells:
+        try:
+            tree = ast.parse(cell.source) if cell.cell_type == "code" else None
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree) if tree else ():
+            if isinstance(node, ast.Assign) and _is_notebook_call(node.value):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _is_notebook_call(node):
+    return isinstance(node, ast.Call) and (
+        isinstance(node.func, ast.Attribute) and node.func.attr == "Notebook"
+        or isinstance(node.func, ast.Name) and node.func.id == "Notebook")
+
+
+def _is_otter_cell(source, graders):
+    """Whether every statement is otter's init, a grader.check/export call or a bare ``grader``.
+
+    Skipping such a cell only removes calls into otter, never student code.
+    """
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return False
+    if not body:
+        return False
+    for stmt in body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in stmt.names] if isinstance(stmt, ast.Import) else [stmt.module]
+            if all(m == "otter" for m in mods):
+                continue
+        elif isinstance(stmt, ast.Assign) and _is_notebook_call(stmt.value):
+            continue
+        elif isinstance(stmt, ast.Expr):
+            v = stmt.value
+            if isinstance(v, ast.Name) and v.id in graders:
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) \
+                    and isinstance(v.func.value, ast.Name) and v.func.value.id in graders \
+                    and v.func.attr in OTTER_CALLS:
+                continue
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- grader cells
+PROBE_CELL = '''\
+def _jaxlab_probe():
+    import importlib, sys
+    sys.path.insert(0, {private!r})
+    for name in ({module!r}, "jaxlab_form"):
+        sys.modules.pop(name, None)
+    checks, form = importlib.import_module({module!r}), importlib.import_module("jaxlab_form")
+    ns = globals()
+    names = checks.QUESTIONS[{question!r}].names
+    out = {{"equal_to_anything": []}}
+    try:
+        out["evidence"] = checks.probe({question!r}, {{n: ns.get(n) for n in names}})
+    except BaseException as exc:
+        out["error"] = f"{{type(exc).__name__}}: {{exc}}"
+    class Stranger:
+        pass
+    for n in names:
+        try:
+            eq = ns.get(n) == Stranger()
+            if eq is True or type(eq).__name__ == "bool_" and bool(eq):
+                out["equal_to_anything"].append(n)
+        except BaseException:
+            pass
+    form.dump_evidence(out, {path!r})
+_jaxlab_probe()
+del _jaxlab_probe
+'''
+
+CLAIM_CELL = '''\
+def _jaxlab_claim():
+    import json, sys
+    from otter.nbmeta_config import NBMetadataConfig
+    from otter.test_files import create_test_file
+    sys.path.insert(0, {private!r})
+    claim = {{}}
+    try:
+        tf = create_test_file({test!r}, NBMetadataConfig())
+        tf.run(globals())
+        claim["cases"] = [[bool(r.passed), str(r.message or "")[:4000]] for r in tf.test_case_results]
+    except BaseException as exc:
+        claim["error"] = f"{{type(exc).__name__}}: {{exc}}"
+    with open({path!r}, "w") as f:
+        json.dump(claim, f)
+_jaxlab_claim()
+del _jaxlab_claim
+'''
+
+
+def probe_cells(questions, module, private, layout):
+    """Cells appended after the student's: one probe of the jaxlab checks per question."""
+    return [PROBE_CELL.format(private=str(private), module=module, question=q,
+                              path=str(layout.probe(q))) for q in questions]
+
+
+def claim_cells(tests, private, layout):
+    """Cells running otter's own tests in the kernel, for the questions in ``tests``."""
+    return [CLAIM_CELL.format(private=str(private), test=str(test),
+                              path=str(layout.claim(q)))
+            for q, test in tests.items()]
+
+

@@ -1,0 +1,100 @@
+"""Start and stop one IPython kernel for one submission, sandboxed by bubblewrap or not."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import psutil
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_core.utils import run_sync
+
+from . import process
+from .sandbox import KernelFolder, bwrap_argv
+
+SANDBOX_KERNEL = "jaxlab-sandbox"
+
+
+def kernel_env(cache_dir=None, xla_threads=None):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_", "XLA_", "JPY_")) and k != "TMPDIR"}
+    env.update(PJRT_NPROC="16", MPLBACKEND="Agg", PYTHONHASHSEED="0", MALLOC_ARENA_MAX="2")
+    if cache_dir:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    if xla_threads:
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+        env["OMP_NUM_THREADS"] = str(xla_threads)
+    return env
+
+
+@dataclasses.dataclass
+class Kernel:
+    km: AsyncKernelManager
+    folder: KernelFolder
+    sandboxed: bool
+
+    @classmethod
+    def start(cls, env, root, cpu=None, *, sandboxed=False):
+        """A kernel in a fresh folder under ``root``; in its own bwrap sandbox if ``sandboxed``."""
+        folder = KernelFolder.create(root)
+        if sandboxed:
+            # a kernelspec per kernel: bwrap's command line names this kernel's folder
+            spec = folder.root / "spec" / SANDBOX_KERNEL
+            spec.mkdir(parents=True)
+            argv = [*bwrap_argv(folder, cpu=cpu), sys.executable, "-m", "ipykernel_launcher",
+                    "-f", "{connection_file}"]
+            # the kernel leads its own session inside (--new-session), so the provisioner's
+            # SIGINT to the outer process group would miss it: interrupt by message instead
+            (spec / "kernel.json").write_text(json.dumps(
+                {"argv": argv, "display_name": "sandboxed Python", "language": "python",
+                 "interrupt_mode": "message"}))
+            km = AsyncKernelManager(
+                kernel_name=SANDBOX_KERNEL, transport="ipc",
+                connection_file=str(folder.ipc / "kernel.json"),
+                kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
+        else:
+            km = AsyncKernelManager(kernel_name="python3")
+        # jupyter_client starts the kernel in a new session: its pid is its process group id
+        run_sync(km.start_kernel)(cwd=str(folder.work), env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        kernel = cls(km, folder, sandboxed)
+        if cpu is not None and not sandboxed:  # (sandboxed: taskset in bwrap's command line)
+            # XLA's threads start later from the kernel's main thread and inherit this
+            psutil.Process(kernel.pid).cpu_affinity([cpu])
+        return kernel
+
+    @property
+    def workdir(self):
+        return str(self.folder.work)
+
+    @property
+    def pid(self):
+        return self.km.provisioner.pid
+
+    def tree(self):
+        """The kernel's processes; in a sandbox, bwrap and everything in its PID namespace."""
+        return process.tree(self.pid)
+
+    def kill(self, also=()):
+        """Kill every process of the kernel (and ``also``); its folder stays for the worker."""
+        process.kill_and_reap([*self.tree(), *also], wait=0)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, TypeError):
+            pass
+        try:
+            run_sync(self.km.shutdown_kernel)(now=True)
+        except Exception:
+            pass
+        run_sync(self.km.cleanup_resources)()
+
+    def close(self):
+        """Kill the kernel and remove its folder (with the evidence the worker read from it)."""
+        self.kill()
+        shutil.rmtree(self.folder.root, ignore_errors=True)

@@ -1,0 +1,156 @@
+"""What grading passes around: batch settings, a submission's record, why a kernel stopped, and
+where a kernel's evidence lies. Defaults live here and nowhere else.
+"""
+
+import dataclasses
+import enum
+import json
+import pathlib
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-submission limits (the CLI's --timeout, --cell-timeout, --memory)."""
+
+    timeout: float = 600  # wall-clock seconds for one submission
+    cell_timeout: float = 300  # seconds for one cell; a cell over it is interrupted
+    memory_mb: int = 4096  # resident memory of the kernel's whole process tree
+    output_cap_mb: float = 10  # outputs beyond this are dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every worker of a batch gets, as one JSON line on its stdin."""
+
+    autograder_root: str
+    fingerprint: dict
+    scratch: str
+    limits: Limits = Limits()
+    sandboxed: bool = False
+    cache_dir: str | None = None  # a compilation cache kernels may write (unsandboxed only)
+    prestart: bool = True
+    xla_threads: int | None = None
+    cpu: int | None = None
+    log: str | None = None
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text):
+        raw = json.loads(text)
+        return cls(**{**raw, "limits": Limits(**raw["limits"])})
+
+
+class StopKind(str, enum.Enum):
+    TIMEOUT = "timeout"  # over the submission's wall-clock limit: killed
+    MEMORY = "memory"  # over the memory cap: killed
+    DIED = "died"  # the kernel exited or crashed by itself
+    UNRESPONSIVE = "unresponsive"  # the kernel stopped answering its client
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Why and where a kernel stopped before the grader was done with it."""
+
+    kind: StopKind
+    cell: int | None = None  # notebook index of the student's cell running then, if one was
+    in_grader: bool = False  # it stopped while the grader's cells read the answers
+    detail: str = ""  # e.g. the memory figures
+
+    @property
+    def is_fault(self):
+        """A death a second run without the cell can get past (a timeout already cost its time)."""
+        return self.kind in (StopKind.MEMORY, StopKind.DIED) and self.cell is not None
+
+    def where(self):
+        return f" in cell {self.cell}" if self.cell is not None else \
+            " while the grader read the answers" if self.in_grader else ""
+
+    def describe(self, timeout):
+        """In words, for grading_status and for the messages of questions it left ungraded."""
+        if self.kind is StopKind.TIMEOUT:
+            return f"ran over {timeout:g} s{self.where()} and was killed"
+        if self.kind is StopKind.MEMORY:
+            return f"killed{self.where()}: {self.detail}"
+        if self.kind is StopKind.UNRESPONSIVE:
+            return f"the kernel stopped answering{self.where()} ({self.detail})"
+        return f"the kernel died{self.where()}"
+
+    def to_dict(self):
+        return {**dataclasses.asdict(self), "kind": self.kind.value}
+
+    @classmethod
+    def from_dict(cls, raw):
+        return cls(**{**raw, "kind": StopKind(raw["kind"])})
+
+
+@dataclasses.dataclass
+class Record:
+    """One graded submission: what the worker writes, the batch keeps and the report reads.
+
+    ``questions`` maps each question to otter's test cases and their results
+    ({"path", "all_or_nothing", "cases": [{"name", "hidden", "points", "success_message",
+    "failure_message", "passed", "message"}]}); ``outcomes`` maps each question to "pass",
+    "fail", "error" or "timeout".
+    """
+
+    file: str
+    sha256: str
+    status: str = ""
+    catastrophic: bool = False  # nothing could be graded: zero points, the status says why
+    questions: dict = dataclasses.field(default_factory=dict)
+    outcomes: dict = dataclasses.field(default_factory=dict)
+    flags: list = dataclasses.field(default_factory=list)  # tampering suspicions, in words
+    stop: Stop | None = None  # why the kernel stopped early (of the run that was graded)
+    skipped: dict | None = None  # {"cell": i, "reason": Stop} when graded again without cell i
+    sandboxed: bool = False
+    peak_mb: float = 0
+    seconds: float = 0
+
+    def to_dict(self):
+        d = dataclasses.asdict(self)
+        d["stop"] = self.stop.to_dict() if self.stop else None
+        if self.skipped:
+            d["skipped"] = {**self.skipped, "reason": self.skipped["reason"].to_dict()}
+        return d
+
+    @classmethod
+    def from_dict(cls, raw):
+        names = {f.name for f in dataclasses.fields(cls)}
+        r = cls(**{k: v for k, v in raw.items() if k in names})
+        r.stop = Stop.from_dict(r.stop) if r.stop else None
+        if r.skipped:
+            r.skipped = {**r.skipped, "reason": Stop.from_dict(r.skipped["reason"])}
+        return r
+
+    def write(self, path):
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path):
+        return cls.from_dict(json.loads(pathlib.Path(path).read_text()))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvidenceLayout:
+    """The files a kernel's probes and claims write into the evidence folder."""
+
+    folder: pathlib.Path
+
+    def probe(self, question):
+        return self.folder / f"{question}.json"  # with its arrays beside it in .npz
+
+    def claim(self, question):
+        return self.folder / f"claim-{question}.json"
+
+    def strangers(self, questions):
+        """Names in the folder that no probe or claim of ``questions`` writes."""
+        expected = {p.with_suffix(x).name for q in questions
+                    for p in (self.probe(q), self.claim(q)) for x in (".json", ".npz")}
+        return sorted(p.name for p in self.folder.glob("*") if p.name not in expected)

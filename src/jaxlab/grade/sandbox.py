@@ -1,0 +1,146 @@
+"""Where a kernel runs: a bubblewrap (``bwrap``) sandbox per submission, or the grader's own rights.
+
+The sandbox gets its own user, PID, network, IPC, UTS and mount namespaces (``--unshare-all``):
+no network at all, no view of any process outside it, and a filesystem built from an allow-list:
+the system (``/usr``, ``/etc``) and the Python environment read-only, the kernel's own folder
+(working folder, home, ``/tmp``, the ``ipc`` sockets it talks to the worker through, and the
+folder the hidden checks are revealed in) writable, and optionally a compilation cache
+read-only. Nothing else of the machine is there: not the instructor's home, not the grade
+folder, not the submissions, not the autograder zip or its extracted copy.
+
+bubblewrap is the sandbox Flatpak uses; we only assemble its command line.
+"""
+
+import dataclasses
+import enum
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# read-only parts of the system a Python process needs; a link (merged /usr) stays a link
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
+               "/sys/devices/system/cpu")
+# readable by the file's owner, and inside a user namespace the owner is the sandbox's user
+MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-")
+MASKED_DIRS = ("/etc/ssh", "/etc/ssl/private")
+SANDBOX_UID = 1000
+
+
+class Mode(str, enum.Enum):
+    AUTO = "auto"  # sandbox where bwrap runs, say so in every row where it does not
+    REQUIRE = "require"  # refuse to grade where bwrap does not run
+    OFF = "off"  # kernels run with the grader's own rights
+
+
+class SandboxUnavailable(RuntimeError):
+    """``--sandbox=require`` where bubblewrap cannot run; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    """What the batch decided once at its start; every worker uses the same."""
+
+    sandboxed: bool
+    reason: str | None = None  # why not, in words, when not sandboxed
+
+    @property
+    def status(self):
+        return None if self.sandboxed else f"not sandboxed: {self.reason}"
+
+
+def decide(mode):
+    """The isolation a batch gets for ``mode``; raises SandboxUnavailable for an unmet require."""
+    mode = Mode(mode)
+    if mode is Mode.OFF:
+        return Isolation(False, "--sandbox=off")
+    reason = unavailable_reason()
+    if reason is None:
+        return Isolation(True)
+    if mode is Mode.REQUIRE:
+        raise SandboxUnavailable(f"--sandbox=require, but {reason}")
+    return Isolation(False, reason)
+
+
+def unavailable_reason():
+    """None when a bwrap sandbox with the kernel's layout starts here; else why not, in words."""
+    if not sys.platform.startswith("linux"):
+        return f"bubblewrap needs Linux (this is {sys.platform})"
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    with tempfile.TemporaryDirectory(prefix="jaxlab-sandbox-check-") as root:
+        folder = KernelFolder.create(root)
+        try:
+            run = subprocess.run([*bwrap_argv(folder), sys.executable, "-c", "pass"],
+                                 capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"bwrap could not start ({exc})"
+    if run.returncode:
+        err = (run.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"bwrap could not start a sandbox ({err}); user namespaces may be disabled"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelFolder:
+    """One kernel's folder; inside the sandbox it is mounted at the same path, read-write."""
+
+    root: pathlib.Path
+
+    @classmethod
+    def create(cls, parent):
+        folder = cls(pathlib.Path(tempfile.mkdtemp(prefix="kernel-", dir=parent)))
+        for sub in (folder.work, folder.home, folder.tmp, folder.ipc, folder.reveal):
+            sub.mkdir()
+        return folder
+
+    work = property(lambda self: self.root / "work")  # the kernel's cwd; student files
+    home = property(lambda self: self.root / "home")
+    tmp = property(lambda self: self.root / "tmp")  # mounted at /tmp inside
+    ipc = property(lambda self: self.root / "ipc")  # jupyter's ipc sockets, connection file
+    reveal = property(lambda self: self.root / "reveal")  # empty until the student's cells ran
+
+
+def python_dirs():
+    """The Python installation and environment the kernel runs from (read-only inside)."""
+    dirs = {pathlib.Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    dirs.add(pathlib.Path(sys.executable).resolve().parent.parent)
+    return sorted(d for d in dirs if d.exists())
+
+
+def hidden_package_dirs():
+    """This package's own source (it holds the labs' hidden checks): never inside a sandbox."""
+    return [pathlib.Path(__file__).resolve().parents[1]]
+
+
+def bwrap_argv(folder, *, cache_dir=None, cpu=None):
+    """The command prefix that runs a program in ``folder``'s sandbox."""
+    argv = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
+    argv += ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+             "--dev", "/dev", "--proc", "/proc"]
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            argv += ["--symlink", os.readlink(d), d]
+        elif os.path.exists(d):
+            argv += ["--ro-bind", d, d]
+    argv += [x for f in MASKED_FILES if os.path.exists(f) for x in ("--ro-bind", "/dev/null", f)]
+    argv += [x for d in MASKED_DIRS if os.path.isdir(d) for x in ("--tmpfs", d)]
+    for d in python_dirs():
+        argv += ["--ro-bind", str(d), str(d)]
+    for d in hidden_package_dirs():
+        if any(d.is_relative_to(p) for p in python_dirs()):
+            argv += ["--tmpfs", str(d)]
+    if cache_dir is not None and pathlib.Path(cache_dir).is_dir():
+        argv += ["--ro-bind", str(cache_dir), str(cache_dir)]
+    # /tmp first: the kernel's folder may itself lie under /tmp (its mount point is then
+    # created inside the kernel's own tmp)
+    argv += ["--bind", str(folder.tmp), "/tmp", "--bind", str(folder.root), str(folder.root),
+             "--setenv", "HOME", str(folder.home), "--setenv", "TMPDIR", "/tmp",
+             # ipykernel exits when this pid is not its parent, and no outside pid is seen
+             # from inside: --die-with-parent does that job here
+             "--unsetenv", "JPY_PARENT_PID",
+             "--chdir", str(folder.work), "--"]
+    return argv

@@ -1,0 +1,121 @@
+"""The pieces that stand alone: a session's phases on a tiny notebook, the model, stop reasons."""
+
+import dataclasses
+import json
+import zipfile
+
+import pandas as pd
+import pytest
+
+from jaxlab.grade import grade
+from jaxlab.grade.autograder import read_autograder
+from jaxlab.grade.kernel import Kernel, kernel_env
+from jaxlab.grade.model import EvidenceLayout, Limits, Record, Settings, Stop, StopKind
+from jaxlab.grade.sandbox import unavailable_reason
+from jaxlab.grade.session import Session
+
+from nbedit import write
+
+LIMITS = Limits(timeout=60, cell_timeout=3, memory_mb=600, output_cap_mb=1)
+
+
+@pytest.fixture(params=[True, False], ids=["sandboxed", "unsandboxed"])
+def kernel(request, tmp_path):
+    if request.param:
+        assert unavailable_reason() is None
+    k = Kernel.start(kernel_env(), tmp_path, cpu=0, sandboxed=request.param)
+    yield k
+    k.close()
+
+
+def test_session_runs_phases_in_order_and_keeps_state_between_them(kernel, tmp_path):
+    with Session(kernel, LIMITS) as s:
+        assert s.run(["x = 41", "1 / 0", "import time\nwhile True:\n    time.sleep(0.01)",
+                      "x += 1\nprint('x is', x)",
+                      "import os\nprint(sorted(os.sched_getaffinity(0)))"], [3, 5, 8, 9, 10])
+        reveal = kernel.folder.reveal / "later"
+        reveal.mkdir()  # a folder made between phases is seen by the running kernel
+        (reveal / "hidden.txt").write_text("revealed")
+        assert s.run([f"print(open({str(reveal / 'hidden.txt')!r}).read(), x)"])
+    r = s.result
+    assert r.stop is None
+    assert r.cell_errors == [(5, "ZeroDivisionError: division by zero")]
+    assert r.timed_out_cells == [8]
+    assert r.outputs == [(9, "x is 42\n"), (10, "[0]\n")]  # pinned to the core it was given
+    assert [c.outputs[0]["text"] for c in s.nb.cells[-1:]] == ["revealed 42\n"]
+    assert kernel.tree() == []  # leaving the session killed the kernel
+
+
+@pytest.mark.parametrize("source, kind", [
+    ("import os\nos._exit(3)", StopKind.DIED),
+    ("hog = []\nwhile True:\n    hog.append(bytearray(b'x' * 50 * 2**20))", StopKind.MEMORY),
+])
+def test_session_says_which_cell_stopped_the_kernel_and_why(kernel, source, kind):
+    with Session(kernel, LIMITS) as s:
+        assert not s.run(["y = 1", source, "z = 2"], [2, 4, 6])
+        assert not s.run(["print('grader')"])  # nothing runs on a dead kernel
+    assert s.result.stop.kind is kind and s.result.stop.cell == 4
+    assert s.result.stop.is_fault
+    assert len(s.nb.cells) == 2
+
+
+def test_session_over_the_submission_timeout_is_a_timeout_stop(kernel):
+    limits = dataclasses.replace(LIMITS, timeout=4, cell_timeout=30)
+    with Session(kernel, limits) as s:
+        s.run(["import time\ntime.sleep(60)"], [7])
+    assert s.result.stop == Stop(StopKind.TIMEOUT, 7, False, "")
+    assert not s.result.stop.is_fault
+
+
+def test_stop_reasons_in_words_and_which_are_faults():
+    assert Stop(StopKind.TIMEOUT, 3).describe(60) == "ran over 60 s in cell 3 and was killed"
+    assert Stop(StopKind.DIED, None, True).describe(60) == \
+        "the kernel died while the grader read the answers"
+    assert Stop(StopKind.MEMORY, 2, detail="memory use 9 MiB").describe(1) == \
+        "killed in cell 2: memory use 9 MiB"
+    assert [Stop(k, 1).is_fault for k in StopKind] == [False, True, True, False]
+    assert not Stop(StopKind.DIED, None, True).is_fault  # no student cell to skip
+
+
+def test_record_and_settings_survive_a_round_trip_through_json(tmp_path):
+    stop = Stop(StopKind.MEMORY, 12, False, "memory use 5000 MiB went over the cap")
+    record = Record("a/sub.ipynb", "ab" * 32, status="Completed", outcomes={"q1": "pass"},
+                    questions={"q1": {"path": "q1.py", "all_or_nothing": False, "cases": []}},
+                    flags=["x"], stop=None, skipped={"cell": 12, "reason": stop},
+                    sandboxed=True, peak_mb=800, seconds=3.5)
+    record.write(tmp_path / "r.json")
+    assert Record.read(tmp_path / "r.json") == record
+    assert json.loads((tmp_path / "r.json").read_text())["skipped"]["reason"]["kind"] == "memory"
+    settings = Settings("/ag", {"/ag/x.py": "00"}, "/scratch", LIMITS, sandboxed=True, cpu=1)
+    assert Settings.from_json(settings.to_json()) == settings
+
+
+def test_evidence_layout_names_what_the_grader_did_not_write(tmp_path):
+    layout = EvidenceLayout(tmp_path)
+    for path in (layout.probe("q1"), layout.probe("q1").with_suffix(".npz"), layout.claim("q2"),
+                 tmp_path / "results.json"):
+        path.write_text("{}")
+    assert layout.strangers(["q1", "q2"]) == ["results.json"]
+
+
+def test_checks_module_is_recognised_by_its_declared_marker_only(lab, tmp_path):
+    with zipfile.ZipFile(lab.autograder) as zf:
+        zf.extractall(tmp_path / "ag")
+    assert read_autograder(tmp_path / "ag").checks_module == "jaxlab_fixture"
+    path = tmp_path / "ag" / "files" / "jaxlab_fixture.py"
+    path.write_text(path.read_text().replace("JAXLAB_CHECKS = 1", "# JAXLAB_CHECKS = 1"))
+    assert read_autograder(tmp_path / "ag").checks_module is None
+
+
+def test_notebook_of_another_assignment_gets_a_clear_row_not_zeros(lab, tmp_path):
+    nb = lab.notebook()
+    nb.metadata["otter"]["assignment_name"] = "lab4-shard-map"
+    write(nb, tmp_path / "subs" / "other.ipynb")
+    write(lab.notebook(), tmp_path / "subs" / "right.ipynb")
+    assert grade(paths=[str(tmp_path / "subs")], output_dir=str(tmp_path / "out"),
+                 autograder=str(lab.autograder), show=False, workers=1, timeout=60)
+    df = pd.read_csv(tmp_path / "out" / "final_grades.csv").set_index("file")
+    assert df.loc["other.ipynb", "grading_status"] == (
+        "this notebook is for assignment 'lab4-shard-map', but the autograder grades "
+        "'fixture'; grade it with that assignment's autograder")
+    assert df.loc["right.ipynb", "total_points_earned"] == 4
