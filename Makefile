@@ -17,7 +17,7 @@ release: $(BIN)/jaxlab
 check: $(BIN)/jaxlab
 	$(BIN)/jaxlab release --check
 
-test: $(BIN)/jaxlab
+test: $(BIN)/jaxlab sandbox  # the sandbox tests run for real, never skipped
 	$(BIN)/python -m pytest
 
 # bubblewrap, the sandbox `jaxlab grade` runs each kernel in (Debian/Ubuntu; needs root)
