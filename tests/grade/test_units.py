@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import pathlib
 import zipfile
 
 import pandas as pd
@@ -119,3 +120,24 @@ def test_notebook_of_another_assignment_gets_a_clear_row_not_zeros(lab, tmp_path
         "this notebook is for assignment 'lab4-shard-map', but the autograder grades "
         "'fixture'; grade it with that assignment's autograder")
     assert df.loc["right.ipynb", "total_points_earned"] == 4
+
+
+def test_a_python_environment_under_tmp_is_still_there_inside_the_sandbox(monkeypatch):
+    """CI may check the repository out under /tmp: the sandbox's own /tmp must not hide it."""
+    import subprocess
+    import tempfile
+
+    from jaxlab.grade import sandbox
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as env, \
+            tempfile.TemporaryDirectory(dir="/tmp") as root:
+        tool = pathlib.Path(env) / "bin" / "hello"
+        tool.parent.mkdir()
+        tool.write_text("#!/bin/sh\necho hello from the environment\n")
+        tool.chmod(0o755)
+        monkeypatch.setattr(sandbox, "python_dirs",
+                            lambda dirs=sandbox.python_dirs(): [*dirs, pathlib.Path(env)])
+        folder = sandbox.KernelFolder.create(root)
+        run = subprocess.run([*sandbox.bwrap_argv(folder), str(tool)], capture_output=True,
+                             text=True, timeout=60)
+    assert run.stdout == "hello from the environment\n", run.stderr

@@ -120,7 +120,10 @@ def bwrap_argv(folder, *, cache_dir=None, cpu=None):
     argv = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     argv += ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
              "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-             "--dev", "/dev", "--proc", "/proc"]
+             "--dev", "/dev", "--proc", "/proc",
+             # /tmp before everything: binds below it (the Python environment or the kernel's
+             # folder may lie under /tmp, as in a CI checkout there) are made on top of it
+             "--bind", str(folder.tmp), "/tmp"]
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
             argv += ["--symlink", os.readlink(d), d]
@@ -135,9 +138,7 @@ def bwrap_argv(folder, *, cache_dir=None, cpu=None):
             argv += ["--tmpfs", str(d)]
     if cache_dir is not None and pathlib.Path(cache_dir).is_dir():
         argv += ["--ro-bind", str(cache_dir), str(cache_dir)]
-    # /tmp first: the kernel's folder may itself lie under /tmp (its mount point is then
-    # created inside the kernel's own tmp)
-    argv += ["--bind", str(folder.tmp), "/tmp", "--bind", str(folder.root), str(folder.root),
+    argv += ["--bind", str(folder.root), str(folder.root),
              "--setenv", "HOME", str(folder.home), "--setenv", "TMPDIR", "/tmp",
              # ipykernel exits when this pid is not its parent, and no outside pid is seen
              # from inside: --die-with-parent does that job here
