@@ -24,6 +24,8 @@ import threading
 import nbformat
 import pandas as pd
 
+from jaxlab.grade import warmup
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAB = "lab3-parallelism"
 sys.path.insert(0, str(ROOT / "tests" / "grade"))
@@ -150,7 +152,8 @@ def main():
     targets = {"listener_port": serve_token(b"network-token"),
                "secret": home / ".ssh" / "id_ed25519",
                "autograder": ROOT / "autograder" / f"{LAB}-autograder.zip",
-               "subs": args.folder / "submissions", "out": out, "grader_pid": os.getpid()}
+               "subs": args.folder / "submissions", "out": out, "grader_pid": os.getpid(),
+               "cache": warmup.folder_for(ROOT / "autograder" / f"{LAB}-autograder.zip")}
     subs = build(args.folder, targets)
     subprocess.run([sys.executable, "-m", "jaxlab", "grade", str(subs), "-o", str(out),
                     "--cell-timeout", args.cell_timeout, "--sandbox", args.sandbox,
@@ -163,6 +166,8 @@ def main():
         print(df[["file", "total_points_earned", "short", "grading_status"]].to_string(index=False))
     print("files written into the grade folder by kernels:", sorted(
         str(p.relative_to(out)) for p in out.rglob("*pwned*")) or "none")
+    print("files written into the compilation cache by kernels:", sorted(
+        p.name for p in targets["cache"].rglob("*pwned*")) or "none")
 
 
 if __name__ == "__main__":

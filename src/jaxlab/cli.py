@@ -55,19 +55,23 @@ def release(check, root, colab_url, names):
               help="Which shipped lab to grade against (default: guessed from the notebooks).")
 @click.option("--autograder", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Any otter autograder zip instead of a shipped one.")
+@click.option("--warm-up", "warm_up", type=click.Path(exists=True, dir_okay=False),
+              default=None,
+              help="Your solution notebook, graded once per autograder and machine to write the "
+                   "compilation cache every kernel reads (default: the shipped solution).")
 @click.option("--force", is_flag=True, help="Grade again what OUTPUT_DIR already holds.")
 @click.option("--sandbox", type=click.Choice(SANDBOX_MODES), default=GRADE_DEFAULTS["sandbox"],
               show_default=True,
               help="Run each kernel in a bubblewrap sandbox: 'auto' where bwrap runs (else say "
                    "so in every row), 'require' to refuse grading without it, 'off' never.")
 def grade(paths, output_dir, workers, timeout, cell_timeout, memory_mb, assignment, autograder,
-          force, sandbox):
+          warm_up, force, sandbox):
     """Grade submissions (.ipynb, grader.export() zips, or folders of them) without Docker."""
     try:
         ok = grade_api(paths=list(paths), output_dir=output_dir, workers=workers,
                        timeout=timeout, cell_timeout=cell_timeout, memory_mb=memory_mb,
-                       assignment=assignment, autograder=autograder, force=force,
-                       sandbox=sandbox)
+                       assignment=assignment, autograder=autograder, warm_up=warm_up,
+                       force=force, sandbox=sandbox)
     except (ValueError, FileNotFoundError) as exc:  # which autograder to use
         raise click.UsageError(str(exc)) from None
     sys.exit(0 if ok else 1)

@@ -1,6 +1,7 @@
 """Grade a batch of submissions with a pool of trusted worker processes."""
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -15,11 +16,13 @@ import time
 
 from tqdm import tqdm
 
-from . import process, report
+from . import process, report, warmup
 from .autograder import open_autograder, shipped_autograder
+from .kernel import cache_env
 from .sandbox import Mode, SandboxUnavailable, decide
 from .submissions import collect
 from .model import Limits, Record, Settings
+from .warmup import shipped_solution
 
 GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its record
 
@@ -27,12 +30,15 @@ GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its
 def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
           cell_timeout=Limits.cell_timeout, memory_mb=Limits.memory_mb, assignment=None,
           autograder=None, force=False, output_cap_mb=Limits.output_cap_mb, prestart=True,
-          compile_cache=True, xla_threads=None, pin_cpus=None, sandbox=Mode.AUTO.value,
-          show=True):
+          compile_cache=True, warm_up=None, xla_threads=None, pin_cpus=None,
+          sandbox=Mode.AUTO.value, show=True):
     """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran.
 
     ``sandbox``: "auto" runs each kernel in a bubblewrap sandbox where bwrap runs here and says
     in every row where it does not; "require" refuses to grade without one; "off" never uses one.
+    ``warm_up``: a trusted notebook (the lab's solution) graded once per autograder and machine
+    to write the compilation cache every kernel reads (default: the shipped solution beside the
+    autograder zip, if there is one; without one, kernels compile everything themselves).
     """
     started = time.time()
     out = pathlib.Path(output_dir)
@@ -62,17 +68,34 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
             autograder_root=str(ag.root), fingerprint=ag.fingerprint(), scratch=str(scratch),
             limits=Limits(timeout, cell_timeout, memory_mb, output_cap_mb),
             sandboxed=isolation.sandboxed, prestart=prestart, xla_threads=xla_threads,
-            cache_dir=str(state / "jax-cache") if compile_cache else None,
+            reference_dir=str(warmup.reference_folder(zip_path)) if compile_cache else None,
             log=str(state / "workers.log"))
+        n = max(1, min(workers or os.cpu_count() or 1, len(pending)))
+        cpus = sorted(os.sched_getaffinity(0))
+        if pin_cpus is None:  # one kernel per core measured 15% faster than sharing both
+            pin_cpus = n <= len(cpus)
+        # 0. the compilation cache every kernel reads, written once by a trusted notebook
+        warm_up = warm_up or shipped_solution(zip_path)
+        if compile_cache and warm_up and pending:
+            cache = warmup.warm(zip_path=zip_path, notebook=warm_up, grade_one=functools.partial(
+                _warm_up, dataclasses.replace(settings, cpu=cpus[0] if pin_cpus else None),
+                scratch, ag))
+            if cache is None:
+                print(f"jaxlab grade: could not grade {warm_up} to warm the compilation cache; "
+                      "every kernel compiles for itself", file=sys.stderr)
+            else:
+                settings = dataclasses.replace(settings, cache_dir=str(cache.folder))
+                if show or not cache.complete:
+                    print(f"jaxlab grade: {cache.describe()}", file=sys.stderr)
+                if not cache.complete:
+                    print(f"jaxlab grade: WARNING: {warm_up} does not score in full with this "
+                          f"autograder here ({cache.status}); check this machine's environment "
+                          "before trusting the grades", file=sys.stderr)
         jobs = queue.Queue()
         for s in pending:
             jobs.put({"submission": str(s.path), "file": s.file, "sha256": digests[s.file],
                       "record": str(scratch / f"{_key(s.file)}.json")})
         done = queue.Queue()
-        n = max(1, min(workers or os.cpu_count() or 1, len(pending)))
-        cpus = sorted(os.sched_getaffinity(0))
-        if pin_cpus is None:  # one kernel per core measured 15% faster than sharing both
-            pin_cpus = n <= len(cpus)
         slots = [threading.Thread(target=_slot, daemon=True, args=(
                      dataclasses.replace(settings, cpu=cpus[i % len(cpus)] if pin_cpus else None),
                      jobs, done))
@@ -101,6 +124,31 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _warm_up(settings, scratch, ag, cache_dir, notebook):
+    """Grade the trusted ``notebook`` with ``cache_dir`` writable: (earned, possible, status)."""
+    settings = dataclasses.replace(settings, cache_dir=str(cache_dir), cache_writable=True)
+    record = _grade_one(settings, {
+        "submission": str(notebook), "file": pathlib.Path(notebook).name, "sha256": "",
+        "record": str(scratch / "warm-up.json"), "more": False})
+    if record is None or record.catastrophic:
+        return None
+    results = report.results_of(record, ag)
+    return results.total, results.possible, record.status
+
+
+def _grade_one(settings, job):
+    """One job in a worker process of its own; its record, or None if it died or hung."""
+    worker = _Process(settings)
+    try:
+        worker.send_line(json.dumps(job))
+        ok = worker.wait_done(2 * settings.limits.timeout + GRACE_S)
+    except OSError:
+        ok = False
+    finally:
+        worker.close() if ok else worker.kill()
+    return _read_record(job) if ok else None
+
+
 def _key(file):
     return hashlib.sha256(file.encode()).hexdigest()[:24]
 
@@ -121,12 +169,16 @@ def _previous(folder, digests):
     return records
 
 
-def _worker_env():
+def _worker_env(settings):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     # glibc gives each of XLA's threads its own malloc arena; two arenas kept a Lab 3 kernel
     # at ~780 MiB instead of ~970 MiB and the worker at ~320 MiB instead of ~590 MiB, same speed
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PJRT_NPROC="16", MALLOC_ARENA_MAX="2")
+    # the worker's references compile from the same trusted cache (and into it while warming)
+    env.update(cache_env(settings.cache_dir, settings.cache_writable))
+    if settings.reference_dir:
+        env["JAXLAB_REFERENCE_DIR"] = settings.reference_dir  # read by the checks module
     return env
 
 
@@ -137,7 +189,7 @@ class _Process:
         with open(settings.log, "a") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxlab.grade.worker"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env(),
+                stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env(settings),
                 start_new_session=True)
         self.lines = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -178,6 +230,7 @@ def _slot(settings, jobs, done):
                 job = jobs.get_nowait()
             except queue.Empty:
                 return
+            job["more"] = not jobs.empty()  # else no kernel is started ahead for a next one
             worker = worker or _Process(settings)
             try:
                 worker.send_line(json.dumps(job))

@@ -19,14 +19,29 @@ from .sandbox import KernelFolder, bwrap_argv
 SANDBOX_KERNEL = "jaxlab-sandbox"
 
 
-def kernel_env(cache_dir=None, xla_threads=None):
+# a read-only cache: JAX writes an entry only for a compile that took longer than this
+NEVER_WRITE_S = str(10**9)
+
+
+def cache_env(cache_dir, writable):
+    """JAX's settings to read the compilation cache in ``cache_dir``, and write it if allowed."""
+    if not cache_dir:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0" if writable else NEVER_WRITE_S,
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+            # by default JAX also points XLA's GPU autotune cache into the folder, which puts
+            # the folder's path into every cache key: the warm-up writes under another name
+            # than kernels read (measured: 0 of 103 Lab 3 entries hit), and a read-only folder
+            # could not take those writes anyway
+            "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "none"}
+
+
+def kernel_env(cache_dir=None, xla_threads=None, *, cache_writable=False):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAX_", "XLA_", "JPY_")) and k != "TMPDIR"}
+           if not k.startswith(("JAX_", "XLA_", "JPY_", "JAXLAB_")) and k != "TMPDIR"}
     env.update(PJRT_NPROC="16", MPLBACKEND="Agg", PYTHONHASHSEED="0", MALLOC_ARENA_MAX="2")
-    if cache_dir:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    env.update(cache_env(cache_dir, cache_writable))
     if xla_threads:
         env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
         env["OMP_NUM_THREADS"] = str(xla_threads)
@@ -40,14 +55,17 @@ class Kernel:
     sandboxed: bool
 
     @classmethod
-    def start(cls, env, root, cpu=None, *, sandboxed=False):
-        """A kernel in a fresh folder under ``root``; in its own bwrap sandbox if ``sandboxed``."""
+    def start(cls, env, root, cpu=None, *, sandboxed=False, cache_dir=None, cache_writable=False):
+        """A kernel in a fresh folder under ``root``; in its own bwrap sandbox if ``sandboxed``,
+        with the compilation cache ``cache_dir`` bound read-only (writable if ``cache_writable``).
+        """
         folder = KernelFolder.create(root)
         if sandboxed:
             # a kernelspec per kernel: bwrap's command line names this kernel's folder
             spec = folder.root / "spec" / SANDBOX_KERNEL
             spec.mkdir(parents=True)
-            argv = [*bwrap_argv(folder, cpu=cpu), sys.executable, "-m", "ipykernel_launcher",
+            argv = [*bwrap_argv(folder, cpu=cpu, cache_dir=cache_dir,
+                                cache_writable=cache_writable), sys.executable, "-m", "ipykernel_launcher",
                     "-f", "{connection_file}"]
             # the kernel leads its own session inside (--new-session), so the provisioner's
             # SIGINT to the outer process group would miss it: interrupt by message instead

@@ -29,7 +29,9 @@ class Settings:
     scratch: str
     limits: Limits = Limits()
     sandboxed: bool = False
-    cache_dir: str | None = None  # a compilation cache kernels may write (unsandboxed only)
+    cache_dir: str | None = None  # the JAX compilation cache kernels (and the worker) read
+    cache_writable: bool = False  # whether they may also write it: only trusted runs may
+    reference_dir: str | None = None  # where the worker (never a kernel) keeps references
     prestart: bool = True
     xla_threads: int | None = None
     cpu: int | None = None
@@ -109,6 +111,7 @@ class Record:
     sandboxed: bool = False
     peak_mb: float = 0
     seconds: float = 0
+    phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds, over its runs
 
     def to_dict(self):
         d = dataclasses.asdict(self)

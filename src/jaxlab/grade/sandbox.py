@@ -5,7 +5,7 @@ no network at all, no view of any process outside it, and a filesystem built fro
 the system (``/usr``, ``/etc``) and the Python environment read-only, the kernel's own folder
 (working folder, home, ``/tmp``, the ``ipc`` sockets it talks to the worker through, and the
 folder the hidden checks are revealed in) writable, and optionally a compilation cache
-read-only. Nothing else of the machine is there: not the instructor's home, not the grade
+read-only (written only by a trusted warm-up run, see warmup.py). Nothing else of the machine is there: not the instructor's home, not the grade
 folder, not the submissions, not the autograder zip or its extracted copy.
 
 bubblewrap is the sandbox Flatpak uses; we only assemble its command line.
@@ -115,7 +115,7 @@ def hidden_package_dirs():
     return [pathlib.Path(__file__).resolve().parents[1]]
 
 
-def bwrap_argv(folder, *, cache_dir=None, cpu=None):
+def bwrap_argv(folder, *, cache_dir=None, cache_writable=False, cpu=None):
     """The command prefix that runs a program in ``folder``'s sandbox."""
     argv = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     argv += ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
@@ -137,7 +137,8 @@ def bwrap_argv(folder, *, cache_dir=None, cpu=None):
         if any(d.is_relative_to(p) for p in python_dirs()):
             argv += ["--tmpfs", str(d)]
     if cache_dir is not None and pathlib.Path(cache_dir).is_dir():
-        argv += ["--ro-bind", str(cache_dir), str(cache_dir)]
+        # writable only for the trusted warm-up run (warmup.py); every submission reads it
+        argv += ["--bind" if cache_writable else "--ro-bind", str(cache_dir), str(cache_dir)]
     argv += ["--bind", str(folder.root), str(folder.root),
              "--setenv", "HOME", str(folder.home), "--setenv", "TMPDIR", "/tmp",
              # ipykernel exits when this pid is not its parent, and no outside pid is seen

@@ -1,7 +1,8 @@
 """A trusted grading process: ``python -m jaxlab.grade.worker``, driven over stdin.
 
 The first stdin line is the batch's Settings (JSON); each further line is one job
-``{"submission", "file", "sha256", "record"}``. For each job it grades the notebook in a fresh
+``{"submission", "file", "sha256", "record", "more"}`` (``more``: whether another job may
+follow, so that a kernel is started ahead for it). For each job it grades the notebook in a fresh
 kernel (sandboxed when the batch is), writes the Record file and prints ``done``. Kernel output
 never reaches stdout.
 """
@@ -10,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import secrets
@@ -41,6 +43,19 @@ class Run:
     ex: object  # session.Execution
     judgement: object  # judge.Judgement
     strangers: list  # files in the evidence folder that the grader did not write
+    phases: dict  # phase -> seconds it took
+
+
+class _Clock:
+    """Seconds spent in each phase of a run, for the record (the benchmark reads them)."""
+
+    def __init__(self):
+        self.phases, self._last = {}, time.monotonic()
+
+    def lap(self, phase):
+        now = time.monotonic()
+        self.phases[phase] = round(self.phases.get(phase, 0) + now - self._last, 3)
+        self._last = now
 
 
 class Worker:
@@ -50,20 +65,22 @@ class Worker:
         self.scratch = pathlib.Path(tempfile.mkdtemp(prefix="worker-", dir=settings.scratch))
         self.kernels = self.scratch / "kernels"
         self.kernels.mkdir()
-        # a sandboxed kernel gets no compilation cache another kernel wrote: its entries are
-        # code the next kernel would run
-        self.env = kernel_env(None if settings.sandboxed else settings.cache_dir,
-                              settings.xla_threads)
+        # kernels read the trusted warm-up's compilation cache and write none: an entry one
+        # submission wrote would be code the next one runs
+        self.env = kernel_env(settings.cache_dir, settings.xla_threads,
+                              cache_writable=settings.cache_writable)
         self.checks = self._import_checks() if self.ag.checks_module else None
         self.spare = None
+        self.more = True  # whether another job may follow this one (the batch says)
         self._prestart()
 
     def _start_kernel(self):
-        return Kernel.start(self.env, self.kernels, self.s.cpu, sandboxed=self.s.sandboxed)
+        return Kernel.start(self.env, self.kernels, self.s.cpu, sandboxed=self.s.sandboxed,
+                            cache_dir=self.s.cache_dir, cache_writable=self.s.cache_writable)
 
     def _prestart(self):
         """Start the next submission's kernel while this one runs."""
-        if self.s.prestart and self.spare is None:
+        if self.s.prestart and self.more and self.spare is None:
             self.spare = self._start_kernel()
 
     def _import_checks(self):
@@ -82,6 +99,7 @@ class Worker:
     def grade(self, job):
         start = time.monotonic()
         record = Record(file=job["file"], sha256=job["sha256"], sandboxed=self.s.sandboxed)
+        self.more = job.get("more", True)
         try:
             if not self._untouched():
                 raise BadSubmission("the grader's own files changed during the batch; "
@@ -112,10 +130,12 @@ class Worker:
     def _grade(self, cells, files, record):
         """Grade; if a cell killed the kernel, grade again once without it."""
         run = self._run(cells, files)
+        record.phases = run.phases
         first = run.ex.stop
         if first is not None and first.is_fault:
             run = self._run([(i, src) for i, src in cells if i != first.cell], files)
             record.skipped = {"cell": first.cell, "reason": first}
+            record.phases = {k: record.phases.get(k, 0) + v for k, v in run.phases.items()}
         ex = run.ex
         record.stop = ex.stop
         record.questions = {tf.name: _test_file_record(tf) for tf in run.judgement.test_files}
@@ -136,6 +156,7 @@ class Worker:
 
     def _run(self, cells, files):
         """One run in a fresh kernel, in its phases."""
+        clock = _Clock()
         kernel = self.spare or self._start_kernel()
         self.spare = None
         # created only once the student's cells are done, under names they never saw, in the
@@ -147,9 +168,12 @@ class Worker:
         try:
             self._place_files(kernel, files)
             with Session(kernel, limits) as session:
+                clock.lap("kernel")
                 self._prestart()
+                clock.lap("prestart")
                 # 1. the student's cells
                 session.run([src for _, src in cells], [i for i, _ in cells])
+                clock.lap("student")
                 # 2. the hidden checks and otter's tests appear, and an empty evidence folder
                 if session.alive:
                     self._reveal(private, tests, layout)
@@ -157,16 +181,19 @@ class Worker:
                 if session.alive and self.checks:
                     session.run(probe_cells(self.checks.QUESTIONS, self.ag.checks_module,
                                             private, layout))
+                clock.lap("probe")
                 # 4. the trusted verdicts, once
                 stop = session.result.stop
                 reason = stop.describe(limits.timeout) if stop else None
                 decided = verdicts(self.ag, self.checks, layout, reason)
+                clock.lap("judge")
                 # 5. otter's own tests in the kernel where the verdict fails (all of them for
                 #    a zip without checks): a claimed pass there is the sign of tampering
                 failing = {q: t for q, t in tests.items()
                            if q not in decided or not decided[q].passed}
                 if session.alive:
                     session.run(claim_cells(failing, private, layout))
+                clock.lap("claims")
             ex = session.result
             # 6. the score, from the verdicts and the claims
             reason = ex.stop.describe(limits.timeout) if ex.stop else None
@@ -175,7 +202,8 @@ class Worker:
         finally:
             kernel.close()
             self._reap()
-        return Run(ex, judgement, strangers)
+            clock.lap("close")
+        return Run(ex, judgement, strangers, clock.phases)
 
     def _place_files(self, kernel, files):
         """The submission's other files and the autograder's support files, in its folder."""
@@ -253,7 +281,12 @@ def _status(ex, record, timeout, tamper_checked):
 
 def main():
     process.set_subreaper()
-    worker = Worker(Settings.from_json(sys.stdin.readline()))
+    settings = Settings.from_json(sys.stdin.readline())
+    if settings.cpu is not None:
+        # on its kernel's core: the judge (Lab 3's reference training, multi-threaded) then
+        # takes the time of its own idle kernel, not that of the next slot's kernel
+        os.sched_setaffinity(0, {settings.cpu})
+    worker = Worker(settings)
     try:
         for line in sys.stdin:
             worker.grade(json.loads(line))
