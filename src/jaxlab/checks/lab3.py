@@ -38,7 +38,8 @@ TIMING_FACTOR = 10
 # timing reads TIMING_STEP plus a little overhead; not waiting reads ~0; counting the first
 # call adds TIMING_FIRST_CALL / calls, which the probe keeps >= TIMING_MARGIN * TIMING_STEP by
 # re-running with a slower first call when the student's function calls many times.
-TIMING_FIRST_CALL = 1.0
+# 0.5 s: one run for up to 12 calls (the solution makes 11); every run sleeps this long
+TIMING_FIRST_CALL = 0.5
 TIMING_STEP = 0.01
 TIMING_MARGIN = 4
 TIMING_MAX_CALLS = 100
@@ -109,7 +110,7 @@ def _probe_manual(values):
     return ev
 
 
-def _seconds_per_call(fn, *args, repeats=5):
+def _seconds_per_call(fn, *args, repeats=3):  # the median of 3 is well inside TIMING_FACTOR
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -262,8 +263,36 @@ def _training_setup(n, sizes):
     return x, y, params
 
 
+# `jaxlab grade`'s trusted worker sets this to a folder no kernel sees; there the reference
+# training (~6 CPU-s, once per worker otherwise) is kept between workers and batches
+REFERENCE_DIR = "JAXLAB_REFERENCE_DIR"
+
+
 @functools.lru_cache(maxsize=4)
 def _trained_reference(n, sizes, epochs=100, step_size=1e-3):
+    folder = os.environ.get(REFERENCE_DIR)
+    if not folder:
+        return _train_reference(n, sizes, epochs, step_size)
+    path = os.path.join(folder, f"lab3-trained-{n}-{'x'.join(map(str, sizes))}-{epochs}-"
+                                f"{step_size:g}.npz")
+    try:
+        with np.load(path) as saved:
+            return [(saved[f"W{i}"], saved[f"b{i}"]) for i in range(len(sizes) - 1)]
+    except (OSError, KeyError, ValueError):
+        pass
+    params = _train_reference(n, sizes, epochs, step_size)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
+        np.savez(tmp, **{f"{k}{i}": a for i, (W, b) in enumerate(params)
+                         for k, a in (("W", W), ("b", b))})
+        os.replace(tmp, path)  # whole or not at all, for a worker reading it meanwhile
+    except OSError:
+        pass
+    return params
+
+
+def _train_reference(n, sizes, epochs, step_size):
     import jax
 
     x, y, params = _training_setup(n, sizes)
