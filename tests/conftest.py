@@ -12,6 +12,16 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def jaxlab_cache(tmp_path_factory):
+    """What `jaxlab grade` keeps between batches (warmed compilation caches) goes here, not
+    into ~/.cache/jaxlab: every test run warms from scratch."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("jaxlab-cache")
+        mp.setenv("JAXLAB_CACHE_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def lab3():
     return release_paths("lab3-parallelism")

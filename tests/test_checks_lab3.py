@@ -235,3 +235,23 @@ def test_every_contract_question_is_registered_with_its_names():
                                 "params_trained_sharded"),
         "q9_timing": ("seconds_per_call", "time_unsharded", "time_sharded"),
     }
+
+
+def test_trained_reference_is_kept_for_later_workers_where_the_grader_says(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv(lab3.REFERENCE_DIR, str(tmp_path))
+    lab3._trained_reference.cache_clear()
+    first = lab3._trained_reference(16, (1, 4, 1), epochs=3)
+    assert len(list(tmp_path.glob("*.npz"))) == 1
+    lab3._trained_reference.cache_clear()  # a later worker: loads it, trains nothing
+
+    def no_training(*args):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(lab3, "_train_reference", no_training)
+    again = lab3._trained_reference(16, (1, 4, 1), epochs=3)
+    assert [(W.shape, b.shape) for W, b in again] == [((1, 4), (4,)), ((4, 1), (1,))]
+    for (W, b), (W0, b0) in zip(again, first):
+        np.testing.assert_array_equal(W, W0)
+        np.testing.assert_array_equal(b, b0)
+    lab3._trained_reference.cache_clear()

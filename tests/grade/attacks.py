@@ -58,10 +58,9 @@ ok = True
     # an entry in the compilation cache later kernels load code from
     "compile_cache": """\
 import os
-cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or {out!r} + "/.jaxlab/jax-cache"
-if not os.path.isdir(os.path.dirname(cache)):
+cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or {cache!r}
+if not os.path.isdir(cache):
     raise FileNotFoundError(cache)
-os.makedirs(cache, exist_ok=True)
 with open(cache + "/pwned-cache-entry", "wb") as f:
     f.write(b"code another kernel would load")
 ok = True

@@ -13,7 +13,7 @@ import threading
 import pandas as pd
 import pytest
 
-from jaxlab.grade import grade
+from jaxlab.grade import grade, warmup
 from jaxlab.grade.sandbox import unavailable_reason
 
 from attacks import ATTACKS, attack_notebook
@@ -54,14 +54,16 @@ def attacked(lab, tmp_path_factory):
     listener = Listener("network-token")
     listener.start()
     subs, out = base / "subs", base / "out"
+    # every kernel reads the compilation cache the trusted warm-up (the solution) wrote
+    cache = warmup.folder_for(lab.autograder)
     targets = {"listener_port": listener.port, "secret": home / ".ssh" / "id_ed25519",
-               "autograder": lab.autograder, "subs": subs, "out": out,
+               "autograder": lab.autograder, "subs": subs, "out": out, "cache": cache,
                "grader_pid": os.getpid()}
     for name in ATTACKS:
         write(attack_notebook(lab.notebook(), name, targets), subs / f"{name}.ipynb")
     write(lab.notebook(), subs / "control.ipynb")
     ok = grade(paths=[str(subs)], output_dir=str(out), autograder=str(lab.autograder),
-               show=False, **SETTINGS)
+               warm_up=str(lab.solution), show=False, **SETTINGS)
     listener.sock.close()
     df = pd.read_csv(out / "final_grades.csv").set_index("file")
     return {"ok": ok, "df": df, "out": out, "listener": listener, "targets": targets}
@@ -90,8 +92,11 @@ def test_network_listener_saw_no_connection(attacked):
 
 
 def test_nothing_was_written_into_the_grade_folder_or_the_cache(attacked):
-    out = attacked["out"]
-    assert not list(out.rglob("*pwned*"))
+    cache = attacked["targets"]["cache"]
+    assert (cache / warmup.MARKER).is_file() and list(cache.glob("jit_*")), \
+        "the warm-up did not write the cache the kernels were to read"
+    assert not list(attacked["out"].rglob("*pwned*"))
+    assert not list(cache.rglob("*pwned*"))
 
 
 def test_require_refuses_and_auto_says_not_sandboxed_where_bwrap_is_missing(lab, tmp_path,

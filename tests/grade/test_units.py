@@ -83,11 +83,13 @@ def test_record_and_settings_survive_a_round_trip_through_json(tmp_path):
     record = Record("a/sub.ipynb", "ab" * 32, status="Completed", outcomes={"q1": "pass"},
                     questions={"q1": {"path": "q1.py", "all_or_nothing": False, "cases": []}},
                     flags=["x"], stop=None, skipped={"cell": 12, "reason": stop},
-                    sandboxed=True, peak_mb=800, seconds=3.5)
+                    sandboxed=True, peak_mb=800, seconds=3.5,
+                    phases={"student": 2.5, "probe": 0.5})
     record.write(tmp_path / "r.json")
     assert Record.read(tmp_path / "r.json") == record
     assert json.loads((tmp_path / "r.json").read_text())["skipped"]["reason"]["kind"] == "memory"
-    settings = Settings("/ag", {"/ag/x.py": "00"}, "/scratch", LIMITS, sandboxed=True, cpu=1)
+    settings = Settings("/ag", {"/ag/x.py": "00"}, "/scratch", LIMITS, sandboxed=True, cpu=1,
+                        cache_dir="/cache")
     assert Settings.from_json(settings.to_json()) == settings
 
 
@@ -141,3 +143,40 @@ def test_a_python_environment_under_tmp_is_still_there_inside_the_sandbox(monkey
         run = subprocess.run([*sandbox.bwrap_argv(folder), str(tool)], capture_output=True,
                              text=True, timeout=60)
     assert run.stdout == "hello from the environment\n", run.stderr
+
+
+def test_kernels_read_the_cache_and_only_the_warm_up_may_write_it(tmp_path):
+    from jaxlab.grade import sandbox
+    from jaxlab.grade.kernel import NEVER_WRITE_S
+
+    read = kernel_env(tmp_path)
+    assert read["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path)
+    assert read["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == NEVER_WRITE_S
+    assert kernel_env(tmp_path, cache_writable=True)[
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    # the path of the folder must not enter JAX's cache keys (see test_warmup.py)
+    assert read["JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"] == "none"
+    assert not any(k.startswith("JAX_COMPILATION") for k in kernel_env(None))
+    folder = sandbox.KernelFolder.create(tmp_path)
+    argv = sandbox.bwrap_argv(folder, cache_dir=tmp_path)
+    assert argv[argv.index(str(tmp_path)) - 1] == "--ro-bind"
+    argv = sandbox.bwrap_argv(folder, cache_dir=tmp_path, cache_writable=True)
+    assert argv[argv.index(str(tmp_path)) - 1] == "--bind"
+
+
+def test_the_warm_up_notebook_is_the_solution_shipped_beside_the_zip(tmp_path, monkeypatch):
+    from jaxlab.grade import warmup
+
+    (tmp_path / "autograder").mkdir()
+    zip_path = tmp_path / "autograder" / "lab9-x-autograder.zip"
+    zip_path.write_bytes(b"zip")
+    assert warmup.shipped_solution(zip_path) is None
+    solution = tmp_path / "solutions" / "lab9-x" / "lab9-x.ipynb"
+    solution.parent.mkdir(parents=True)
+    solution.write_text("{}")
+    assert warmup.shipped_solution(zip_path) == solution
+    monkeypatch.setenv("JAXLAB_CACHE_DIR", str(tmp_path / "c"))
+    first = warmup.folder_for(zip_path)
+    assert first.parent == tmp_path / "c" / "compile-cache"
+    zip_path.write_bytes(b"another zip")
+    assert warmup.folder_for(zip_path) != first  # a rebuilt autograder warms again
