@@ -50,6 +50,9 @@ def test_session_runs_phases_in_order_and_keeps_state_between_them(kernel, tmp_p
 @pytest.mark.parametrize("source, kind", [
     ("import os\nos._exit(3)", StopKind.DIED),
     ("hog = []\nwhile True:\n    hog.append(bytearray(b'x' * 50 * 2**20))", StopKind.MEMORY),
+    # a process the kernel starts later counts too (the watchdog looks for new ones every 1 s)
+    ("import subprocess, sys, time\ntime.sleep(1.5)\nsubprocess.run([sys.executable, '-c', "
+     "'hog = []\\nwhile True: hog.append(bytearray(50 * 2**20))'])", StopKind.MEMORY),
 ])
 def test_session_says_which_cell_stopped_the_kernel_and_why(kernel, source, kind):
     with Session(kernel, LIMITS) as s:
