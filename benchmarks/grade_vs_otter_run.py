@@ -21,12 +21,14 @@ same run:
   and memory bandwidth (measured: Lab 3's cells take ~6% longer while the other core runs a
   copy too), so no grader that runs the cells on this machine can finish the batch faster,
   whatever its overhead. The same cells with the other cores idle are printed beside it;
+* the student's cells as the batch's own kernels timed them (``Record.cell_seconds``): the
+  batch's time over their sum per worker is the grader's own cost, free of the run-to-run
+  noise between the batch and the floor (this shared machine's speed drifts by ±5%);
 * the peak memory of each worker: its own process plus its kernels (the running one and the
   one started ahead).
 """
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -48,6 +50,7 @@ from jaxlab.grade.autograder import open_autograder
 from jaxlab.grade.cells import student_cells
 from jaxlab.grade.kernel import Kernel, kernel_env
 from jaxlab.grade.model import Record
+from jaxlab.grade.session import kernel_seconds
 
 VARIANTS = {
     "default": {},  # sandboxed where bubblewrap runs
@@ -87,10 +90,7 @@ def cells_seconds(submission, autograder, cpu, work, cache_dir):
         NotebookClient(nb, km=kernel.km, timeout=600, kernel_name="python3").execute()
     finally:
         kernel.close()
-    spans = [cell.metadata["execution"] for cell in nb.cells]
-    stamp = datetime.datetime.fromisoformat
-    return sum((stamp(e["shell.execute_reply"]) - stamp(e["iopub.execute_input"])).total_seconds()
-               for e in spans)
+    return sum(kernel_seconds(cell) for cell in nb.cells)
 
 
 def cells_on_every_core(submission, autograder, cpus, work, cache_dir):
@@ -137,13 +137,15 @@ def jaxlab_scores(out):
 
 
 def phase_means(out):
-    """Mean seconds per submission in each phase of grading, from the batch's records."""
+    """Mean seconds per submission in each phase of grading, and of the student's cells as
+    their kernels timed them, from the batch's records."""
     records = [Record.read(p) for p in (out / ".jaxlab" / "records").glob("*.json")]
     phases = {}
     for r in records:
         for phase, seconds in r.phases.items():
             phases.setdefault(phase, []).append(seconds)
-    return ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in phases.items())
+    text = ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in phases.items())
+    return text, statistics.mean(r.cell_seconds for r in records)
 
 
 def main():
@@ -172,6 +174,7 @@ def main():
               f"{cache.seconds:.1f} s grading {cache.notebook} ({cache.earned:g}/"
               f"{cache.possible:g})", flush=True)
     results = {}
+    cpus = sorted(os.sched_getaffinity(0))
     variants = args.variant or ["default", "no-sandbox"]
     for variant in variants:
         out = work / f"grade-{variant}"
@@ -185,12 +188,17 @@ def main():
         print(f"jaxlab grade [{variant}]: {results[variant][0]:.1f} s; peak memory per worker "
               f"{memory.tree_peak / 2**20:.0f} MiB with its kernels, "
               f"{memory.own_peak / 2**20:.0f} MiB for the worker process alone", flush=True)
-        print(f"  mean seconds per submission by phase: {phase_means(out)}", flush=True)
+        phases, cells = phase_means(out)
+        slots = min(VARIANTS[variant].get("workers", len(cpus)), len(cpus))
+        print(f"  mean seconds per submission by phase: {phases}", flush=True)
+        print(f"  the student's cells as this batch's kernels timed them: {cells:.1f} s per "
+              f"copy; jaxlab grade / their sum over the workers = "
+              f"{results[variant][0] * slots / (cells * args.copies):.2f} (the grader's own "
+              "cost, measured in the same batch)", flush=True)
     if {"default", "no-sandbox"} <= set(results):
         (on, on_scores), (off, off_scores) = results["default"], results["no-sandbox"]
         print(f"sandbox on / off = {on / off:.3f} (target <= 1.05); identical scores: "
               f"{on_scores == off_scores}", flush=True)
-    cpus = sorted(os.sched_getaffinity(0))
     floor = None
     if args.floor_runs:
         folder = cache and cache.folder

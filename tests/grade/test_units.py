@@ -42,6 +42,7 @@ def test_session_runs_phases_in_order_and_keeps_state_between_them(kernel, tmp_p
     assert r.stop is None
     assert r.cell_errors == [(5, "ZeroDivisionError: division by zero")]
     assert r.timed_out_cells == [8]
+    assert 3 <= r.cell_seconds < r.seconds  # the student's cells only (one ran into its 3 s limit)
     assert r.outputs == [(9, "x is 42\n"), (10, "[0]\n")]  # pinned to the core it was given
     assert [c.outputs[0]["text"] for c in s.nb.cells[-1:]] == ["revealed 42\n"]
     assert kernel.tree() == []  # leaving the session killed the kernel
@@ -87,7 +88,7 @@ def test_record_and_settings_survive_a_round_trip_through_json(tmp_path):
                     questions={"q1": {"path": "q1.py", "all_or_nothing": False, "cases": []}},
                     flags=["x"], stop=None, skipped={"cell": 12, "reason": stop},
                     sandboxed=True, peak_mb=800, seconds=3.5,
-                    phases={"student": 2.5, "probe": 0.5})
+                    phases={"student": 2.5, "probe": 0.5}, cell_seconds=2.4)
     record.write(tmp_path / "r.json")
     assert Record.read(tmp_path / "r.json") == record
     assert json.loads((tmp_path / "r.json").read_text())["skipped"]["reason"]["kind"] == "memory"

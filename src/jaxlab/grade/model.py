@@ -112,6 +112,8 @@ class Record:
     peak_mb: float = 0
     seconds: float = 0
     phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds, over its runs
+    # the student's cells as their kernels timed them, over its runs (the benchmark compares)
+    cell_seconds: float = 0
 
     def to_dict(self):
         d = dataclasses.asdict(self)

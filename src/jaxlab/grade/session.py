@@ -7,6 +7,7 @@ limit or the memory cap; a cell over the per-cell limit is interrupted.
 """
 
 import dataclasses
+import datetime
 import pathlib
 import threading
 import time
@@ -60,6 +61,18 @@ class Watchdog(threading.Thread):
         self._halt.set()
 
 
+def kernel_seconds(cell):
+    """Seconds a run cell took as its kernel timed it (from the execute_input message to the
+    execute_reply: nbclient keeps their timestamps); 0 when unknown. Untrusted: for reports."""
+    stamps = cell.get("metadata", {}).get("execution", {})
+    try:
+        return max(0.0, (datetime.datetime.fromisoformat(stamps["shell.execute_reply"]) -
+                         datetime.datetime.fromisoformat(stamps["iopub.execute_input"])
+                         ).total_seconds())
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+
+
 class _Client(NotebookClient):
     """nbclient that stops keeping outputs past ``output_cap`` characters."""
 
@@ -86,6 +99,7 @@ class Execution:
     outputs: list = dataclasses.field(default_factory=list)  # (cell index, text) of student cells
     peak_mb: float = 0
     seconds: float = 0
+    cell_seconds: float = 0  # the student's cells, as the kernel timed them (kernel_seconds)
     files: list = dataclasses.field(default_factory=list)  # names left in the kernel's folder
 
 
@@ -155,6 +169,8 @@ class Session:
                 self.result.stop = Stop(self.dog.kind or StopKind.UNRESPONSIVE, index,
                                         index is None, self.dog.detail or type(exc).__name__)
             self._collect(cell, index, time.monotonic() - start)
+            if index is not None:
+                self.result.cell_seconds += kernel_seconds(cell)
         return self.alive
 
     def _collect(self, cell, index, seconds):

@@ -130,12 +130,13 @@ class Worker:
     def _grade(self, cells, files, record):
         """Grade; if a cell killed the kernel, grade again once without it."""
         run = self._run(cells, files)
-        record.phases = run.phases
+        record.phases, record.cell_seconds = run.phases, run.ex.cell_seconds
         first = run.ex.stop
         if first is not None and first.is_fault:
             run = self._run([(i, src) for i, src in cells if i != first.cell], files)
             record.skipped = {"cell": first.cell, "reason": first}
             record.phases = {k: record.phases.get(k, 0) + v for k, v in run.phases.items()}
+            record.cell_seconds += run.ex.cell_seconds
         ex = run.ex
         record.stop = ex.stop
         record.questions = {tf.name: _test_file_record(tf) for tf in run.judgement.test_files}
@@ -151,6 +152,7 @@ class Worker:
             record.flags.append("files the grader did not write appeared among its "
                                 f"evidence ({', '.join(run.strangers[:5])})")
         record.peak_mb = round(ex.peak_mb)
+        record.cell_seconds = round(record.cell_seconds, 3)
         record.status = _status(ex, record, self.s.limits.timeout,
                                 tamper_checked=self.checks is not None)
 
