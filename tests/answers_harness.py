@@ -57,7 +57,9 @@ class Answer:
     why: str
     code: str
     correct: bool
-    message: str | None = None
+    # what the failure must say; a list when the answer is wrong in several ways and the
+    # probe's random draw decides which the check reports first (any one of them will do)
+    message: str | tuple | None = None
     other_questions_lose: tuple = ()
 
     @property
@@ -91,7 +93,8 @@ def load_answers(lab):
                 answers.append(Answer(
                     lab=lab, question=path.stem, name=entry["name"], why=entry["why"],
                     code=entry["code"], correct=kind == "correct",
-                    message=entry.get("message"),
+                    message=(tuple(entry["message"]) if isinstance(entry.get("message"), list)
+                             else entry.get("message")),
                     other_questions_lose=tuple(entry.get("other_questions_lose", ()))))
     return answers
 
