@@ -51,6 +51,13 @@ def release(check, root, colab_url, names):
 @click.option("--memory", "memory_mb", type=int, default=GRADE_DEFAULTS["memory_mb"],
               show_default=True,
               help="Memory cap per submission in MiB.")
+@click.option("--processes", type=int, default=GRADE_DEFAULTS["processes"], show_default=True,
+              help="Processes and threads one submission's sandbox may run at once.")
+@click.option("--cpus", type=float, default=GRADE_DEFAULTS["cpus"], show_default=True,
+              help="CPU time per submission, in cores.")
+@click.option("--disk", "disk_mb", type=int, default=GRADE_DEFAULTS["disk_mb"],
+              show_default=True,
+              help="What one submission may write (its folder, home and /tmp), in MiB.")
 @click.option("--assignment", default=None,
               help="Which shipped lab to grade against (default: guessed from the notebooks).")
 @click.option("--autograder", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -64,13 +71,13 @@ def release(check, root, colab_url, names):
               show_default=True,
               help="Run each kernel in a bubblewrap sandbox: 'auto' where bwrap runs (else say "
                    "so in every row), 'require' to refuse grading without it, 'off' never.")
-def grade(paths, output_dir, workers, timeout, cell_timeout, memory_mb, assignment, autograder,
-          warm_up, force, sandbox):
+def grade(paths, output_dir, workers, timeout, cell_timeout, memory_mb, processes, cpus, disk_mb,
+          assignment, autograder, warm_up, force, sandbox):
     """Grade submissions (.ipynb, grader.export() zips, or folders of them) without Docker."""
     try:
         ok = grade_api(paths=list(paths), output_dir=output_dir, workers=workers,
                        timeout=timeout, cell_timeout=cell_timeout, memory_mb=memory_mb,
-                       assignment=assignment, autograder=autograder, warm_up=warm_up,
+                       processes=processes, cpus=cpus, disk_mb=disk_mb, assignment=assignment, autograder=autograder, warm_up=warm_up,
                        force=force, sandbox=sandbox)
     except (ValueError, FileNotFoundError) as exc:  # which autograder to use
         raise click.UsageError(str(exc)) from None

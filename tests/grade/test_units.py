@@ -78,7 +78,9 @@ def test_stop_reasons_in_words_and_which_are_faults():
         "the kernel died while the grader read the answers"
     assert Stop(StopKind.MEMORY, 2, detail="memory use 9 MiB").describe(1) == \
         "killed in cell 2: memory use 9 MiB"
-    assert [Stop(k, 1).is_fault for k in StopKind] == [False, True, True, False]
+    assert Stop(StopKind.PROCESSES, 5, detail="it tried to run more").describe(1) == \
+        "killed in cell 5: it tried to run more"
+    assert [Stop(k, 1).is_fault for k in StopKind] == [False, True, True, False, True]
     assert not Stop(StopKind.DIED, None, True).is_fault  # no student cell to skip
 
 

@@ -16,10 +16,10 @@ import time
 
 from tqdm import tqdm
 
-from . import process, report, warmup
+from . import cgroup, process, report, warmup
 from .autograder import open_autograder, shipped_autograder
 from .kernel import cache_env
-from .sandbox import Mode, SandboxUnavailable, decide
+from .sandbox import Mode, SandboxUnavailable, decide, disk_cap_reason
 from .submissions import collect
 from .model import Limits, Record, Settings
 from .warmup import shipped_solution
@@ -28,7 +28,8 @@ GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its
 
 
 def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
-          cell_timeout=Limits.cell_timeout, memory_mb=Limits.memory_mb, assignment=None,
+          cell_timeout=Limits.cell_timeout, memory_mb=Limits.memory_mb,
+          processes=Limits.processes, cpus=Limits.cpus, disk_mb=Limits.disk_mb, assignment=None,
           autograder=None, force=False, output_cap_mb=Limits.output_cap_mb, prestart=True,
           compile_cache=True, warm_up=None, xla_threads=None, pin_cpus=None,
           sandbox=Mode.AUTO.value, show=True):
@@ -39,6 +40,9 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     ``warm_up``: a trusted notebook (the lab's solution) graded once per autograder and machine
     to write the compilation cache every kernel reads (default: the shipped solution beside the
     autograder zip, if there is one; without one, kernels compile everything themselves).
+    ``processes``, ``cpus``, ``disk_mb``: each kernel's cap on processes and threads, its CPU
+    time in cores and what it may write (cgroups and a tmpfs; where this machine cannot apply
+    them, e.g. without root, every row says so).
     """
     started = time.time()
     out = pathlib.Path(output_dir)
@@ -54,6 +58,11 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     if not isolation.sandboxed:
         print(f"jaxlab grade: kernels run with your own rights, {isolation.status}",
               file=sys.stderr)
+    no_cgroups, no_disk_cap = cgroup.unavailable_reason(), disk_cap_reason()
+    uncapped = [r for r in (no_cgroups, no_disk_cap) if r]
+    for reason in uncapped:
+        print(f"jaxlab grade: {reason}", file=sys.stderr)
+    row_notes = [n for n in (isolation.status, *uncapped) if n]
     zip_path = autograder or shipped_autograder(assignment, [s.path for s in subs])
     state = out / ".jaxlab"
     (state / "records").mkdir(parents=True, exist_ok=True)
@@ -66,8 +75,11 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         pending = [s for s in subs if s.file not in records]
         settings = Settings(
             autograder_root=str(ag.root), fingerprint=ag.fingerprint(), scratch=str(scratch),
-            limits=Limits(timeout, cell_timeout, memory_mb, output_cap_mb),
+            limits=Limits(timeout=timeout, cell_timeout=cell_timeout, memory_mb=memory_mb,
+                          output_cap_mb=output_cap_mb, processes=processes, cpus=cpus,
+                          disk_mb=disk_mb),
             sandboxed=isolation.sandboxed, prestart=prestart, xla_threads=xla_threads,
+            cgroups=no_cgroups is None, disk_cap=no_disk_cap is None,
             reference_dir=str(warmup.reference_folder(zip_path)) if compile_cache else None,
             log=str(state / "workers.log"))
         n = max(1, min(workers or os.cpu_count() or 1, len(pending)))
@@ -105,8 +117,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         with tqdm(total=len(pending), unit="nb", desc="grading", disable=not show) as bar:
             for _ in pending:
                 record = done.get()
-                if isolation.status:
-                    record.status = f"{record.status}; {isolation.status}"
+                if row_notes:
+                    record.status = "; ".join([record.status, *row_notes])
                 records[record.file] = record
                 record.write(state / "records" / f"{_key(record.file)}.json")
                 report.write_submission(out, record, ag)

@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_core.utils import run_sync
 
 from . import process
+from .cgroup import KernelCgroup
+from .model import MiB
 from .sandbox import KernelFolder, bwrap_argv
 
 SANDBOX_KERNEL = "jaxlab-sandbox"
@@ -48,32 +49,51 @@ def kernel_env(cache_dir=None, xla_threads=None, *, cache_writable=False):
     return env
 
 
+@dataclasses.dataclass(frozen=True)
+class Caps:
+    """The resource caps one kernel starts under; None where this machine cannot apply it."""
+
+    cgroup_parent: object = None  # cgroup.Parent: processes and CPU capped in a child of it
+    processes: int = 0
+    cpus: float | None = None  # CPU quota in cores
+    disk_mb: int | None = None  # a tmpfs of this size as the kernel's folder
+
+
 @dataclasses.dataclass
 class Kernel:
     km: AsyncKernelManager
     folder: KernelFolder
     sandboxed: bool
+    cgroup: KernelCgroup | None = None
 
     @classmethod
-    def start(cls, env, root, cpu=None, *, sandboxed=False, cache_dir=None, cache_writable=False):
+    def start(cls, env, root, cpu=None, *, sandboxed=False, cache_dir=None, cache_writable=False,
+              caps=Caps()):
         """A kernel in a fresh folder under ``root``; in its own bwrap sandbox if ``sandboxed``,
-        with the compilation cache ``cache_dir`` bound read-only (writable if ``cache_writable``).
+        with the compilation cache ``cache_dir`` bound read-only (writable if ``cache_writable``),
+        under ``caps``.
         """
-        folder = KernelFolder.create(root)
+        folder = KernelFolder.create(root, caps.disk_mb and caps.disk_mb * MiB)
+        group = None
+        if caps.cgroup_parent is not None:
+            group = KernelCgroup.create(caps.cgroup_parent, processes=caps.processes,
+                                        cpus=None if cpu is None else {cpu}, quota=caps.cpus)
+        prefix = group.join_prefix() if group else []
         if sandboxed:
-            # a kernelspec per kernel: bwrap's command line names this kernel's folder
+            prefix += bwrap_argv(folder, cpu=cpu, cache_dir=cache_dir,
+                                 cache_writable=cache_writable)
+        if prefix:
+            # a kernelspec per kernel: the command line names this kernel's folder and cgroup
             spec = folder.root / "spec" / SANDBOX_KERNEL
             spec.mkdir(parents=True)
-            argv = [*bwrap_argv(folder, cpu=cpu, cache_dir=cache_dir,
-                                cache_writable=cache_writable), sys.executable, "-m", "ipykernel_launcher",
-                    "-f", "{connection_file}"]
+            argv = [*prefix, sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
             # the kernel leads its own session inside (--new-session), so the provisioner's
             # SIGINT to the outer process group would miss it: interrupt by message instead
             (spec / "kernel.json").write_text(json.dumps(
                 {"argv": argv, "display_name": "sandboxed Python", "language": "python",
-                 "interrupt_mode": "message"}))
+                 "interrupt_mode": "message" if sandboxed else "signal"}))
             km = AsyncKernelManager(
-                kernel_name=SANDBOX_KERNEL, transport="ipc",
+                kernel_name=SANDBOX_KERNEL, transport="ipc" if sandboxed else "tcp",
                 connection_file=str(folder.ipc / "kernel.json"),
                 kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
         else:
@@ -81,7 +101,7 @@ class Kernel:
         # jupyter_client starts the kernel in a new session: its pid is its process group id
         run_sync(km.start_kernel)(cwd=str(folder.work), env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        kernel = cls(km, folder, sandboxed)
+        kernel = cls(km, folder, sandboxed, group)
         if cpu is not None and not sandboxed:  # (sandboxed: taskset in bwrap's command line)
             # XLA's threads start later from the kernel's main thread and inherit this
             psutil.Process(kernel.pid).cpu_affinity([cpu])
@@ -101,6 +121,8 @@ class Kernel:
 
     def kill(self, also=()):
         """Kill every process of the kernel (and ``also``); its folder stays for the worker."""
+        if self.cgroup:  # first: nothing in it can start another process meanwhile
+            self.cgroup.kill()
         process.kill_and_reap([*self.tree(), *also], wait=0)
         try:
             os.killpg(self.pid, signal.SIGKILL)
@@ -115,4 +137,6 @@ class Kernel:
     def close(self):
         """Kill the kernel and remove its folder (with the evidence the worker read from it)."""
         self.kill()
-        shutil.rmtree(self.folder.root, ignore_errors=True)
+        if self.cgroup:
+            self.cgroup.remove()
+        self.folder.remove()

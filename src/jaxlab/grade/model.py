@@ -12,12 +12,18 @@ MiB = 2**20
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Per-submission limits (the CLI's --timeout, --cell-timeout, --memory)."""
+    """Per-submission limits (the CLI's --timeout, --cell-timeout, --memory, --processes,
+    --cpus, --disk)."""
 
     timeout: float = 600  # wall-clock seconds for one submission
     cell_timeout: float = 300  # seconds for one cell; a cell over it is interrupted
     memory_mb: int = 4096  # resident memory of the kernel's whole process tree
     output_cap_mb: float = 10  # outputs beyond this are dropped
+    # processes and threads of the whole sandbox together (cgroup pids.max); an honest Lab 3
+    # or Lab 4 kernel peaks at PEAK_TASKS_MEASURED, see docs/grading.md
+    processes: int = 512
+    cpus: float = 1.0  # CPU time of the whole sandbox, in cores (cgroup CFS quota)
+    disk_mb: int = 1024  # what the kernel may write into its folder, /tmp and home together
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,8 @@ class Settings:
     cache_writable: bool = False  # whether they may also write it: only trusted runs may
     reference_dir: str | None = None  # where the worker (never a kernel) keeps references
     prestart: bool = True
+    cgroups: bool = False  # whether each kernel gets a cgroup (processes and CPU capped)
+    disk_cap: bool = False  # whether each kernel's folder is a size-limited tmpfs
     xla_threads: int | None = None
     cpu: int | None = None
     log: str | None = None
@@ -51,6 +59,7 @@ class StopKind(str, enum.Enum):
     MEMORY = "memory"  # over the memory cap: killed
     DIED = "died"  # the kernel exited or crashed by itself
     UNRESPONSIVE = "unresponsive"  # the kernel stopped answering its client
+    PROCESSES = "processes"  # a process or thread start failed at the cap: killed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +74,8 @@ class Stop:
     @property
     def is_fault(self):
         """A death a second run without the cell can get past (a timeout already cost its time)."""
-        return self.kind in (StopKind.MEMORY, StopKind.DIED) and self.cell is not None
+        return self.kind in (StopKind.MEMORY, StopKind.DIED, StopKind.PROCESSES) and \
+            self.cell is not None
 
     def where(self):
         return f" in cell {self.cell}" if self.cell is not None else \
@@ -75,7 +85,7 @@ class Stop:
         """In words, for grading_status and for the messages of questions it left ungraded."""
         if self.kind is StopKind.TIMEOUT:
             return f"ran over {timeout:g} s{self.where()} and was killed"
-        if self.kind is StopKind.MEMORY:
+        if self.kind in (StopKind.MEMORY, StopKind.PROCESSES):
             return f"killed{self.where()}: {self.detail}"
         if self.kind is StopKind.UNRESPONSIVE:
             return f"the kernel stopped answering{self.where()} ({self.detail})"
@@ -110,6 +120,7 @@ class Record:
     skipped: dict | None = None  # {"cell": i, "reason": Stop} when graded again without cell i
     sandboxed: bool = False
     peak_mb: float = 0
+    peak_tasks: int = 0  # the most processes and threads its sandbox had at once (sampled)
     seconds: float = 0
     phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds, over its runs
     # the student's cells as their kernels timed them, over its runs (the benchmark compares)

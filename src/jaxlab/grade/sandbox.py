@@ -83,18 +83,78 @@ def unavailable_reason():
     return None
 
 
+SHM_BYTES = 64 * 2**20  # /dev/shm inside, as in Docker (bwrap's default is half the RAM)
+REVEAL_BYTES = 256 * 2**20  # the hidden checks and the probes' evidence: Lab 3's is ~1 MB
+
+
+SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"  # the grader's PATH may be anything
+
+
+def disk_cap_reason():
+    """None when kernel folders can be size-limited tmpfs mounts here; else why not."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or \
+            not shutil.which("mount", path=SYSTEM_PATH):
+        return "disk use not capped (a size-limited folder per kernel needs root on Linux)"
+    with tempfile.TemporaryDirectory(prefix="jaxlab-disk-check-") as root:
+        try:
+            _mount_tmpfs(pathlib.Path(root), 2**20)
+            _unmount(pathlib.Path(root))
+        except OSError as exc:
+            return f"disk use not capped (cannot mount a tmpfs: {exc})"
+    return None
+
+
+def _mount_tmpfs(path, size):
+    run = subprocess.run([shutil.which("mount", path=SYSTEM_PATH), "-t", "tmpfs", "-o", f"size={size},mode=0755",
+                          "jaxlab-kernel", str(path)], capture_output=True, text=True)
+    if run.returncode:
+        raise OSError(run.stderr.strip() or f"mount exited {run.returncode}")
+
+
+def _unmount(path):
+    # lazy: a process of the kernel that is still being reaped must not keep the space
+    subprocess.run([shutil.which("umount", path=SYSTEM_PATH), "-l", str(path)],
+                   capture_output=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelFolder:
-    """One kernel's folder; inside the sandbox it is mounted at the same path, read-write."""
+    """One kernel's folder; inside the sandbox it is mounted at the same path, read-write.
+
+    With ``disk_bytes`` it is a tmpfs of that size (so all a kernel can write, in its working
+    folder, home and /tmp together, is bounded, and a write past it fails with ENOSPC in the
+    student's cell), with ``reveal`` a second small one of the grader's: what a kernel leaves
+    in the first cannot stop the hidden checks and their evidence from being written.
+    """
 
     root: pathlib.Path
+    mounted: bool = False
 
     @classmethod
-    def create(cls, parent):
-        folder = cls(pathlib.Path(tempfile.mkdtemp(prefix="kernel-", dir=parent)))
+    def create(cls, parent, disk_bytes=None):
+        folder = cls(pathlib.Path(tempfile.mkdtemp(prefix="kernel-", dir=parent)),
+                     mounted=bool(disk_bytes))
+        if disk_bytes:
+            _mount_tmpfs(folder.root, disk_bytes)
         for sub in (folder.work, folder.home, folder.tmp, folder.ipc, folder.reveal):
             sub.mkdir()
+        if disk_bytes:
+            _mount_tmpfs(folder.reveal, REVEAL_BYTES)
         return folder
+
+    def clear_reveal(self):
+        """Remove whatever a kernel put in ``reveal`` (empty until the grader fills it)."""
+        names = sorted(p.name for p in self.reveal.iterdir())
+        for path in self.reveal.iterdir():
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        return names
+
+    def remove(self):
+        """Delete the folder; a tmpfs gives its space back when unmounted."""
+        if self.mounted:
+            _unmount(self.reveal)
+            _unmount(self.root)
+        shutil.rmtree(self.root, ignore_errors=True)
 
     work = property(lambda self: self.root / "work")  # the kernel's cwd; student files
     home = property(lambda self: self.root / "home")
@@ -120,7 +180,7 @@ def bwrap_argv(folder, *, cache_dir=None, cache_writable=False, cpu=None):
     argv = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     argv += ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
              "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-             "--dev", "/dev", "--proc", "/proc",
+             "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm", "--proc", "/proc",
              # /tmp before everything: binds below it (the Python environment or the kernel's
              # folder may lie under /tmp, as in a CI checkout there) are made on top of it
              "--bind", str(folder.tmp), "/tmp"]

@@ -31,7 +31,7 @@ class Watchdog(threading.Thread):
     def __init__(self, kernel, timeout, memory_bytes):
         super().__init__(daemon=True)
         self.kernel, self.deadline, self.cap = kernel, time.monotonic() + timeout, memory_bytes
-        self.seen, self.kind, self.detail, self.peak = {}, None, "", 0
+        self.seen, self.kind, self.detail, self.peak, self.peak_tasks = {}, None, "", 0, 0
         self._halt = threading.Event()
 
     POLL_S = 0.2  # memory and clock
@@ -47,7 +47,16 @@ class Watchdog(threading.Thread):
             polls += 1
             rss = process.rss(procs)
             self.peak = max(self.peak, rss)
-            if rss > self.cap:
+            group = self.kernel.cgroup
+            if group is not None:
+                self.peak_tasks = max(self.peak_tasks, group.tasks())
+            if group is not None and group.cap_hits():
+                # a fork or thread start failed: what it was for is broken, so this is a
+                # fault like the memory cap (the second run skips the cell)
+                self.kind = StopKind.PROCESSES
+                self.detail = f"it tried to run more than {group.processes} processes and " \
+                              "threads at once (the cap)"
+            elif rss > self.cap:
                 self.kind = StopKind.MEMORY
                 self.detail = f"memory use {rss / MiB:.0f} MiB went over the cap of " \
                               f"{self.cap / MiB:.0f} MiB"
@@ -98,6 +107,7 @@ class Execution:
     output_truncated: bool = False
     outputs: list = dataclasses.field(default_factory=list)  # (cell index, text) of student cells
     peak_mb: float = 0
+    peak_tasks: int = 0
     seconds: float = 0
     cell_seconds: float = 0  # the student's cells, as the kernel timed them (kernel_seconds)
     files: list = dataclasses.field(default_factory=list)  # names left in the kernel's folder
@@ -142,6 +152,7 @@ class Session:
                 r.stop = Stop(self.dog.kind, None, True, self.dog.detail)
             r.output_truncated = self.client.output_truncated
             r.peak_mb = self.dog.peak / MiB
+            r.peak_tasks = self.dog.peak_tasks
             work = pathlib.Path(self.kernel.workdir)
             r.files = sorted({p.name for p in work.rglob("*")}) if work.exists() else []
             self.kernel.kill(self.dog.seen.values())

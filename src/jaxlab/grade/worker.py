@@ -26,7 +26,8 @@ from . import process
 from .autograder import FORM_MODULE, read_autograder
 from .cells import claim_cells, probe_cells, student_cells
 from .judge import score, verdicts
-from .kernel import Kernel, kernel_env
+from .cgroup import Parent
+from .kernel import Caps, Kernel, kernel_env
 from .model import EvidenceLayout, Record, Settings, StopKind
 from .session import Session
 from .submissions import BadSubmission, read_submission
@@ -70,13 +71,18 @@ class Worker:
         self.env = kernel_env(settings.cache_dir, settings.xla_threads,
                               cache_writable=settings.cache_writable)
         self.checks = self._import_checks() if self.ag.checks_module else None
+        limits = settings.limits
+        self.caps = Caps(cgroup_parent=Parent.find() if settings.cgroups else None,
+                         processes=limits.processes, cpus=limits.cpus,
+                         disk_mb=limits.disk_mb if settings.disk_cap else None)
         self.spare = None
         self.more = True  # whether another job may follow this one (the batch says)
         self._prestart()
 
     def _start_kernel(self):
         return Kernel.start(self.env, self.kernels, self.s.cpu, sandboxed=self.s.sandboxed,
-                            cache_dir=self.s.cache_dir, cache_writable=self.s.cache_writable)
+                            cache_dir=self.s.cache_dir, cache_writable=self.s.cache_writable,
+                            caps=self.caps)
 
     def _prestart(self):
         """Start the next submission's kernel while this one runs."""
@@ -152,6 +158,7 @@ class Worker:
             record.flags.append("files the grader did not write appeared among its "
                                 f"evidence ({', '.join(run.strangers[:5])})")
         record.peak_mb = round(ex.peak_mb)
+        record.peak_tasks = ex.peak_tasks
         record.cell_seconds = round(record.cell_seconds, 3)
         record.status = _status(ex, record, self.s.limits.timeout,
                                 tamper_checked=self.checks is not None)
@@ -180,8 +187,13 @@ class Worker:
                 self._prestart()
                 clock.lap("prestart")
                 # 2. the hidden checks and otter's tests appear, and an empty evidence folder
+                planted = kernel.folder.clear_reveal() if session.alive else []
                 if session.alive:
-                    self._reveal(private, tests, layout)
+                    try:
+                        self._reveal(private, tests, layout)
+                    except OSError as exc:  # e.g. a process of the kernel filled it meanwhile
+                        raise BadSubmission("the notebook's processes kept the grader from "
+                                            f"placing its checks ({exc})") from None
                 # 3. each question's graded names, probed into plain data
                 if session.alive and self.checks:
                     session.run(probe_cells(self.checks.QUESTIONS, self.ag.checks_module,
@@ -203,7 +215,9 @@ class Worker:
             # 6. the score, from the verdicts and the claims
             reason = ex.stop.describe(limits.timeout) if ex.stop else None
             judgement = score(self.ag, decided, layout, reason)
-            strangers = layout.strangers(self.ag.tests) if layout.folder.exists() else []
+            # names the kernel put where only the grader writes (removed before the reveal)
+            strangers = [*planted, *(layout.strangers(self.ag.tests)
+                                     if layout.folder.exists() else [])]
         finally:
             kernel.close()
             self._reap()
