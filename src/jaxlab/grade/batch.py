@@ -19,7 +19,7 @@ from tqdm import tqdm
 from . import cgroup, process, report, warmup
 from .autograder import open_autograder, shipped_autograder
 from .kernel import cache_env
-from .sandbox import Mode, SandboxUnavailable, decide, disk_cap_reason
+from .sandbox import Mode, SandboxUnavailable, decide, disk_cap_reason, unmount_under
 from .submissions import collect
 from .model import Limits, Record, Settings
 from .warmup import shipped_solution
@@ -68,6 +68,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     (state / "records").mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-grade-"))
     process.set_subreaper()
+    groups = None if no_cgroups else cgroup.Parent.find().child(scratch.name)
     try:
         ag = open_autograder(zip_path, scratch / "autograder")
         digests = {s.file: s.digest() for s in subs}
@@ -79,7 +80,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
                           output_cap_mb=output_cap_mb, processes=processes, cpus=cpus,
                           disk_mb=disk_mb),
             sandboxed=isolation.sandboxed, prestart=prestart, xla_threads=xla_threads,
-            cgroups=no_cgroups is None, disk_cap=no_disk_cap is None,
+            cgroup=groups and groups.to_dict(), disk_cap=no_disk_cap is None,
             reference_dir=str(warmup.reference_folder(zip_path)) if compile_cache else None,
             log=str(state / "workers.log"))
         n = max(1, min(workers or os.cpu_count() or 1, len(pending)))
@@ -133,6 +134,9 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         return True
     finally:
         _sweep(started)
+        if groups:
+            groups.remove()
+        unmount_under(scratch)  # kernel folders a killed worker left mounted
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -85,6 +85,36 @@ class Parent:
             _enable_v2(dirs["pids"])
         return cls(dirs, version)
 
+    def child(self, name):
+        """A cgroup for a whole batch under this one: its kernels' cgroups go inside, and
+        removing it at the end takes any a killed worker left behind."""
+        dirs = {c: d / name for c, d in self.dirs.items()}
+        for c, d in dirs.items():
+            d.mkdir(exist_ok=True)
+            if self.version == 1 and c == "cpuset":  # a v1 cpuset starts empty
+                for f in ("cpuset.cpus", "cpuset.mems"):
+                    (d / f).write_text((self.dirs[c] / f).read_text().strip())
+        if self.version == 2:
+            _enable_v2(dirs["pids"])
+        return Parent(dirs, self.version)
+
+    def to_dict(self):
+        return {"dirs": {c: str(d) for c, d in self.dirs.items()}, "version": self.version}
+
+    @classmethod
+    def from_dict(cls, raw):
+        return cls({c: pathlib.Path(d) for c, d in raw["dirs"].items()}, raw["version"])
+
+    def remove(self):
+        """Kill and remove every kernel cgroup inside, then this one."""
+        for d in sorted(self.dirs["pids"].glob("jaxlab-kernel-*")):
+            KernelCgroup({c: p / d.name for c, p in self.dirs.items()}, self.version, 0).remove()
+        for d in set(self.dirs.values()):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
 
 def _enable_v2(folder):
     """Turn the controllers on for the children of ``folder`` (v2 hands them down explicitly)."""

@@ -75,9 +75,19 @@ class Kernel:
         """
         folder = KernelFolder.create(root, caps.disk_mb and caps.disk_mb * MiB)
         group = None
-        if caps.cgroup_parent is not None:
-            group = KernelCgroup.create(caps.cgroup_parent, processes=caps.processes,
-                                        cpus=None if cpu is None else {cpu}, quota=caps.cpus)
+        try:
+            if caps.cgroup_parent is not None:
+                group = KernelCgroup.create(caps.cgroup_parent, processes=caps.processes,
+                                            cpus=None if cpu is None else {cpu}, quota=caps.cpus)
+            return cls._start(env, folder, group, cpu, sandboxed, cache_dir, cache_writable)
+        except BaseException:
+            if group:
+                group.remove()
+            folder.remove()
+            raise
+
+    @classmethod
+    def _start(cls, env, folder, group, cpu, sandboxed, cache_dir, cache_writable):
         prefix = group.join_prefix() if group else []
         if sandboxed:
             prefix += bwrap_argv(folder, cpu=cpu, cache_dir=cache_dir,

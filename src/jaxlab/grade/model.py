@@ -39,7 +39,7 @@ class Settings:
     cache_writable: bool = False  # whether they may also write it: only trusted runs may
     reference_dir: str | None = None  # where the worker (never a kernel) keeps references
     prestart: bool = True
-    cgroups: bool = False  # whether each kernel gets a cgroup (processes and CPU capped)
+    cgroup: dict | None = None  # the batch's cgroup.Parent, kernels' cgroups go in (as_dict)
     disk_cap: bool = False  # whether each kernel's folder is a size-limited tmpfs
     xla_threads: int | None = None
     cpu: int | None = None

@@ -117,6 +117,15 @@ def _unmount(path):
                    capture_output=True)
 
 
+def unmount_under(folder):
+    """Unmount every kernel tmpfs below ``folder`` (deepest first)."""
+    points = [line.split()[1] for line in pathlib.Path("/proc/mounts").read_text().splitlines()
+              if line.startswith("jaxlab-kernel ")]
+    for point in sorted(points, key=len, reverse=True):
+        if pathlib.Path(point).is_relative_to(folder):
+            _unmount(point)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelFolder:
     """One kernel's folder; inside the sandbox it is mounted at the same path, read-write.

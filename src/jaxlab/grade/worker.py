@@ -72,7 +72,8 @@ class Worker:
                               cache_writable=settings.cache_writable)
         self.checks = self._import_checks() if self.ag.checks_module else None
         limits = settings.limits
-        self.caps = Caps(cgroup_parent=Parent.find() if settings.cgroups else None,
+        self.caps = Caps(cgroup_parent=Parent.from_dict(settings.cgroup) if settings.cgroup
+                         else None,
                          processes=limits.processes, cpus=limits.cpus,
                          disk_mb=limits.disk_mb if settings.disk_cap else None)
         self.spare = None

@@ -1,0 +1,165 @@
+"""Issue 16's resource attacks, each from a graded notebook, in one batch with two honest
+submissions: a fork bomb, a thread flood, a child process that widens its CPU affinity, and a
+disk filler. Each is contained, its row says why, the honest rows grade in full with no
+"grader error", nothing of the batch is left running and the disk space comes back.
+
+The fork bomb and the thread flood replace the q3 answer cell (attack, then the answer): the
+kernel is stopped at the process cap and graded again without that cell, so they cost q3 and
+nothing else. The affinity and disk attacks sit after the q3 answer and spoil it unless they
+worked (tests/grade/attacks.py's pattern), so q3 scores only for an attack that got through.
+"""
+
+import pathlib
+
+import nbformat
+import pandas as pd
+import psutil
+import pytest
+
+from jaxlab.grade import grade
+from jaxlab.grade.cgroup import unavailable_reason as no_cgroups
+from jaxlab.grade.sandbox import disk_cap_reason
+
+from attacks import CELL
+from nbedit import answer_cell, write
+
+DISK_MB = 64  # small, so that the filler hits it in well under a second
+SETTINGS = dict(workers=2, timeout=120, cell_timeout=60, memory_mb=1500, disk_mb=DISK_MB)
+FULL = {"q1": 2.0, "q2": 1.0, "q3": 1.0}
+LOST_Q3 = {"q1": 2.0, "q2": 1.0, "q3": 0.0}
+ANSWER = "y_mean = float(jnp.mean(y))"
+
+# replace the q3 answer cell: the attack, then the answer
+FORK_BOMB = """\
+import subprocess, time
+subprocess.Popen(["bash", "-c", "bomb() { bomb | bomb & }; bomb"])  # jaxlab-fork-bomb
+time.sleep(5)
+"""
+THREAD_FLOOD = """\
+import threading, time
+stop = threading.Event()
+threads = []
+for _ in range(5000):
+    t = threading.Thread(target=stop.wait, args=(60,), daemon=True)
+    t.start()
+    threads.append(t)
+"""
+# after the q3 answer: ``ok`` only if the attack got through
+WIDEN_AFFINITY = """\
+import os, subprocess, sys, time
+child = subprocess.run([sys.executable, "-c", '''
+import os, multiprocessing, time
+os.sched_setaffinity(0, range(os.cpu_count()))
+def spin():
+    end = time.monotonic() + 2
+    while time.monotonic() < end:
+        pass
+procs = [multiprocessing.Process(target=spin) for _ in range(2)]
+start, cpu0 = time.monotonic(), os.times()
+[p.start() for p in procs]
+[p.join() for p in procs]
+cpu = os.times()
+print(len(os.sched_getaffinity(0)), (cpu.children_user + cpu.children_system) / (time.monotonic() - start))
+'''], capture_output=True, text=True, check=True)
+cores, used = child.stdout.split()
+print("affinity", cores, "cores, used", used)
+ok = int(cores) > 1 or float(used) > 1.3
+"""
+FILL_DISK = """\
+import os
+block, written = b"x" * 2**20, 0
+try:
+    for folder in (".", os.environ["HOME"], "/tmp"):
+        for i in range({n}):
+            with open(os.path.join(folder, f"fill-{{i}}"), "wb") as f:
+                f.write(block)
+            written += len(block)
+except OSError as exc:
+    print("stopped:", exc)
+ok = written > {cap} * 2**20
+"""
+
+
+def attack_in_answer(nb, attack):
+    i = answer_cell(nb, "y_mean")
+    nb.cells[i].source = attack + ANSWER
+    return nb
+
+
+def attack_after_answer(nb, attack):
+    i = answer_cell(nb, "y_mean")
+    body = "\n".join("    " + line for line in attack.splitlines())
+    nb.cells.insert(i + 1, nbformat.v4.new_code_cell(CELL.format(body=body,
+                                                                   spoil="y_mean = -1.0")))
+    return nb
+
+
+def scores(row):
+    return {q: float(row[q]) for q in FULL}
+
+
+def kernel_mounts():
+    return [line for line in pathlib.Path("/proc/mounts").read_text().splitlines()
+            if line.startswith("jaxlab-kernel ")]
+
+
+def batch_cgroups():
+    return [p for pattern in ("jaxlab-grade-*", "*/jaxlab-grade-*")
+            for p in pathlib.Path("/sys/fs/cgroup").glob(pattern)]
+
+
+@pytest.fixture(scope="module")
+def batch(lab, tmp_path_factory):
+    assert no_cgroups() is None, no_cgroups()  # CI runs as root: these caps are tested for real
+    assert disk_cap_reason() is None, disk_cap_reason()
+    base = tmp_path_factory.mktemp("resources")
+    subs, out = base / "subs", base / "out"
+    write(lab.notebook(), subs / "control.ipynb")
+    write(lab.notebook(), subs / "honest.ipynb")
+    write(attack_in_answer(lab.notebook(), FORK_BOMB), subs / "fork_bomb.ipynb")
+    write(attack_in_answer(lab.notebook(), THREAD_FLOOD), subs / "thread_flood.ipynb")
+    write(attack_after_answer(lab.notebook(), WIDEN_AFFINITY), subs / "widen_affinity.ipynb")
+    write(attack_after_answer(lab.notebook(), FILL_DISK.format(n=4 * DISK_MB, cap=DISK_MB)),
+          subs / "fill_disk.ipynb")
+    ok = grade(paths=[str(subs)], output_dir=str(out), autograder=str(lab.autograder),
+               warm_up=str(lab.solution), show=False, **SETTINGS)
+    df = pd.read_csv(out / "final_grades.csv").set_index("file")
+    return {"ok": ok, "df": df}
+
+
+@pytest.mark.parametrize("name", ["control", "honest"])
+def test_honest_neighbours_grade_in_full(batch, name):
+    row = batch["df"].loc[f"{name}.ipynb"]
+    assert scores(row) == FULL, row["grading_status"]
+    assert row["grading_status"] == "Completed"
+
+
+@pytest.mark.parametrize("name", ["fork_bomb", "thread_flood"])
+def test_process_floods_stop_at_the_cap_and_cost_only_their_cell(batch, name):
+    row = batch["df"].loc[f"{name}.ipynb"]
+    status = row["grading_status"]
+    assert scores(row) == LOST_Q3, status
+    assert "skipped in a second run" in status and \
+        "tried to run more than 512 processes and threads at once (the cap)" in status, status
+    assert "grader error" not in status
+
+
+def test_a_child_cannot_widen_its_cpu_share(batch):
+    row = batch["df"].loc["widen_affinity.ipynb"]
+    assert scores(row) == LOST_Q3, row["grading_status"]
+    assert row["grading_status"] == "Completed"
+
+
+def test_a_disk_filler_stops_at_its_cap_and_loses_nothing_else(batch):
+    row = batch["df"].loc["fill_disk.ipynb"]
+    assert scores(row) == LOST_Q3, row["grading_status"]
+    assert row["grading_status"] == "Completed"
+
+
+def test_nothing_is_left_running_mounted_or_written(batch):
+    assert batch["ok"]
+    bombs = [p.pid for p in psutil.process_iter(["cmdline"])
+             if "bomb" in " ".join(p.info["cmdline"] or [])]
+    assert not bombs
+    assert not batch_cgroups()  # every kernel's cgroup emptied and removed, and the batch's
+    assert not kernel_mounts()  # every byte the filler wrote was in its tmpfs, gone with it
