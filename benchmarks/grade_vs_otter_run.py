@@ -55,6 +55,8 @@ from jaxlab.grade.session import kernel_seconds
 VARIANTS = {
     "default": {},  # sandboxed where bubblewrap runs
     "no-sandbox": {"sandbox": "off"},
+    # the cgroup (processes, CPU) and tmpfs (disk) caps of every kernel, none of them
+    "no-caps": {"resource_caps": False},
     # what sandboxed kernels give up: a compilation cache shared between kernels
     "no-sandbox-no-cache": {"sandbox": "off", "compile_cache": False},
     "no-cache": {"compile_cache": False},
@@ -145,7 +147,8 @@ def phase_means(out):
         for phase, seconds in r.phases.items():
             phases.setdefault(phase, []).append(seconds)
     text = ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in phases.items())
-    return text, statistics.mean(r.cell_seconds for r in records)
+    return text, statistics.mean(r.cell_seconds for r in records), \
+        max(r.peak_tasks for r in records)
 
 
 def main():
@@ -188,9 +191,12 @@ def main():
         print(f"jaxlab grade [{variant}]: {results[variant][0]:.1f} s; peak memory per worker "
               f"{memory.tree_peak / 2**20:.0f} MiB with its kernels, "
               f"{memory.own_peak / 2**20:.0f} MiB for the worker process alone", flush=True)
-        phases, cells = phase_means(out)
+        phases, cells, tasks = phase_means(out)
         slots = min(VARIANTS[variant].get("workers", len(cpus)), len(cpus))
         print(f"  mean seconds per submission by phase: {phases}", flush=True)
+        if tasks:
+            print(f"  most processes and threads one kernel's sandbox ran at once (sampled): "
+                  f"{tasks}", flush=True)
         print(f"  the student's cells as this batch's kernels timed them: {cells:.1f} s per "
               f"copy; jaxlab grade / their sum over the workers = "
               f"{results[variant][0] * slots / (cells * args.copies):.2f} (the grader's own "
@@ -199,6 +205,10 @@ def main():
         (on, on_scores), (off, off_scores) = results["default"], results["no-sandbox"]
         print(f"sandbox on / off = {on / off:.3f} (target <= 1.05); identical scores: "
               f"{on_scores == off_scores}", flush=True)
+    if {"default", "no-caps"} <= set(results):
+        (on, on_scores), (off, off_scores) = results["default"], results["no-caps"]
+        print(f"resource caps on / off = {on / off:.3f} (target: no measurable slowdown); "
+              f"identical scores: {on_scores == off_scores}", flush=True)
     floor = None
     if args.floor_runs:
         folder = cache and cache.folder

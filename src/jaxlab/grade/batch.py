@@ -32,7 +32,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
           processes=Limits.processes, cpus=Limits.cpus, disk_mb=Limits.disk_mb, assignment=None,
           autograder=None, force=False, output_cap_mb=Limits.output_cap_mb, prestart=True,
           compile_cache=True, warm_up=None, xla_threads=None, pin_cpus=None,
-          sandbox=Mode.AUTO.value, show=True):
+          sandbox=Mode.AUTO.value, resource_caps=True, show=True):
     """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran.
 
     ``sandbox``: "auto" runs each kernel in a bubblewrap sandbox where bwrap runs here and says
@@ -42,7 +42,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     autograder zip, if there is one; without one, kernels compile everything themselves).
     ``processes``, ``cpus``, ``disk_mb``: each kernel's cap on processes and threads, its CPU
     time in cores and what it may write (cgroups and a tmpfs; where this machine cannot apply
-    them, e.g. without root, every row says so).
+    them, e.g. without root, every row says so). ``resource_caps=False`` applies none of the
+    three (the benchmark compares).
     """
     started = time.time()
     out = pathlib.Path(output_dir)
@@ -58,7 +59,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     if not isolation.sandboxed:
         print(f"jaxlab grade: kernels run with your own rights, {isolation.status}",
               file=sys.stderr)
-    no_cgroups, no_disk_cap = cgroup.unavailable_reason(), disk_cap_reason()
+    no_cgroups, no_disk_cap = (cgroup.unavailable_reason(), disk_cap_reason()) if resource_caps \
+        else ("processes and CPU not capped", "disk use not capped")
     uncapped = [r for r in (no_cgroups, no_disk_cap) if r]
     for reason in uncapped:
         print(f"jaxlab grade: {reason}", file=sys.stderr)
