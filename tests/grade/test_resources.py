@@ -9,7 +9,11 @@ nothing else. The affinity and disk attacks sit after the q3 answer and spoil it
 worked (tests/grade/attacks.py's pattern), so q3 scores only for an attack that got through.
 """
 
+import os
 import pathlib
+import shutil
+import subprocess
+import tempfile
 
 import nbformat
 import pandas as pd
@@ -18,7 +22,8 @@ import pytest
 
 from jaxlab.grade import grade
 from jaxlab.grade.cgroup import unavailable_reason as no_cgroups
-from jaxlab.grade.sandbox import disk_cap_reason
+from jaxlab.grade import sandbox
+from jaxlab.grade.sandbox import KernelFolder, disk_cap_reason
 
 from attacks import CELL
 from nbedit import answer_cell, write
@@ -28,6 +33,7 @@ SETTINGS = dict(workers=2, timeout=120, cell_timeout=60, memory_mb=1500, disk_mb
 FULL = {"q1": 2.0, "q2": 1.0, "q3": 1.0}
 LOST_Q3 = {"q1": 2.0, "q2": 1.0, "q3": 0.0}
 ANSWER = "y_mean = float(jnp.mean(y))"
+NOBODY = 65534
 
 # replace the q3 answer cell: the attack, then the answer
 FORK_BOMB = """\
@@ -163,3 +169,27 @@ def test_nothing_is_left_running_mounted_or_written(batch):
     assert not bombs
     assert not batch_cgroups()  # every kernel's cgroup emptied and removed, and the batch's
     assert not kernel_mounts()  # every byte the filler wrote was in its tmpfs, gone with it
+
+
+def test_without_root_rlimit_nproc_in_the_sandbox_caps_only_its_own_processes(monkeypatch):
+    """Where no cgroup can be made (an instructor without root), RLIMIT_NPROC set inside the
+    sandbox's user namespace is the process cap; it counts that sandbox only."""
+    assert shutil.which("setpriv") and os.path.exists("/usr/bin/python3")
+    # the system's Python: this interpreter may live in root's home, which nobody can read
+    monkeypatch.setattr(sandbox, "python_dirs", lambda: [])
+    with tempfile.TemporaryDirectory(dir="/tmp") as root:  # pytest's tmp_path is root's only
+        os.chmod(root, 0o755)
+        count_forks_as_nobody(KernelFolder.create(root))
+
+
+def count_forks_as_nobody(folder):
+    for sub in (folder.root, folder.work, folder.home, folder.tmp, folder.ipc, folder.reveal):
+        os.chown(sub, NOBODY, NOBODY)
+    forks = "import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n" \
+            "            time.sleep(3); os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+    run = subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+         *sandbox.bwrap_argv(folder, nproc=30), "/usr/bin/python3", "-c", forks],
+        capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert 20 <= int(run.stdout) < 30  # python and bwrap's init count too

@@ -60,8 +60,12 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         print(f"jaxlab grade: kernels run with your own rights, {isolation.status}",
               file=sys.stderr)
     no_cgroups, no_disk_cap = (cgroup.unavailable_reason(), disk_cap_reason()) if resource_caps \
-        else ("processes and CPU not capped", "disk use not capped")
-    uncapped = [r for r in (no_cgroups, no_disk_cap) if r]
+        else ("resource_caps=False", "disk use not capped")
+    uncapped = [no_disk_cap] if no_disk_cap else []
+    if no_cgroups and isolation.sandboxed and os.geteuid() != 0 and resource_caps:
+        uncapped.insert(0, f"CPU share not enforced ({no_cgroups})")  # RLIMIT_NPROC caps processes
+    elif no_cgroups:
+        uncapped.insert(0, f"processes and CPU not capped ({no_cgroups})")
     for reason in uncapped:
         print(f"jaxlab grade: {reason}", file=sys.stderr)
     row_notes = [n for n in (isolation.status, *uncapped) if n]

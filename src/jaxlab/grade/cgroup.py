@@ -242,9 +242,9 @@ class KernelCgroup:
 
 
 def unavailable_reason():
-    """None when kernels can get cgroups here; else what is not capped and why, in words."""
+    """None when kernels can get cgroups here; else why not, in words."""
     try:
         Parent.find()
     except (CgroupUnavailable, OSError) as exc:
-        return f"processes and CPU not capped ({exc})"
+        return str(exc)
     return None

@@ -79,7 +79,8 @@ class Kernel:
             if caps.cgroup_parent is not None:
                 group = KernelCgroup.create(caps.cgroup_parent, processes=caps.processes,
                                             cpus=None if cpu is None else {cpu}, quota=caps.cpus)
-            return cls._start(env, folder, group, cpu, sandboxed, cache_dir, cache_writable)
+            return cls._start(env, folder, group, cpu, sandboxed, cache_dir, cache_writable,
+                              caps.processes)
         except BaseException:
             if group:
                 group.remove()
@@ -87,11 +88,13 @@ class Kernel:
             raise
 
     @classmethod
-    def _start(cls, env, folder, group, cpu, sandboxed, cache_dir, cache_writable):
+    def _start(cls, env, folder, group, cpu, sandboxed, cache_dir, cache_writable, processes):
         prefix = group.join_prefix() if group else []
         if sandboxed:
+            # without a cgroup (not root), RLIMIT_NPROC inside the sandbox caps its processes
+            nproc = processes if group is None and os.geteuid() != 0 else None
             prefix += bwrap_argv(folder, cpu=cpu, cache_dir=cache_dir,
-                                 cache_writable=cache_writable)
+                                 cache_writable=cache_writable, nproc=nproc)
         if prefix:
             # a kernelspec per kernel: the command line names this kernel's folder and cgroup
             spec = folder.root / "spec" / SANDBOX_KERNEL

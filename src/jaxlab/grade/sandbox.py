@@ -184,8 +184,14 @@ def hidden_package_dirs():
     return [pathlib.Path(__file__).resolve().parents[1]]
 
 
-def bwrap_argv(folder, *, cache_dir=None, cache_writable=False, cpu=None):
-    """The command prefix that runs a program in ``folder``'s sandbox."""
+def bwrap_argv(folder, *, cache_dir=None, cache_writable=False, cpu=None, nproc=None):
+    """The command prefix that runs a program in ``folder``'s sandbox.
+
+    ``nproc``: RLIMIT_NPROC set inside, the process cap where no cgroup can be made (not root).
+    Linux counts it per user namespace (ucounts, 5.14+), so it counts this sandbox's processes
+    and threads only (measured: a cap of 30 let 28 forks through; the grader's own processes
+    are not in it). For root it counts nothing: root's processes are exempt.
+    """
     argv = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     argv += ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
              "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
@@ -214,4 +220,6 @@ def bwrap_argv(folder, *, cache_dir=None, cache_writable=False, cpu=None):
              # from inside: --die-with-parent does that job here
              "--unsetenv", "JPY_PARENT_PID",
              "--chdir", str(folder.work), "--"]
+    if nproc:
+        argv += [shutil.which("prlimit", path=SYSTEM_PATH) or "prlimit", f"--nproc={nproc}", "--"]
     return argv
