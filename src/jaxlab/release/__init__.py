@@ -132,10 +132,45 @@ def write_notebook(nb, path):
     pathlib.Path(path).write_text(nbformat.writes(nb) + "\n")
 
 
-def write_stable_zip(src_zip, dest):
-    """Copy a zip with sorted entries, fixed dates and permissions."""
+ENGINE_DIR = "jaxlab_engine"  # in the zip: jaxlab's grading engine, run by run_otter.py
+RUN_ENGINE = f'''"""The autograder's entry point (run_autograder runs it in Gradescope's and otter grade's
+containers): jaxlab's grading engine, shipped beside this file in {ENGINE_DIR}/, grades
+/autograder/submission. The student's cells run in a kernel; the hidden checks run here, on
+the plain data that kernel hands over, so nothing the notebook patches can change a verdict.
+(`otter run -a` does not use this file: it grades in-process, trusting the notebook.)
+"""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "{ENGINE_DIR}"))
+
+from jaxlab.grade.container import main  # noqa: E402
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["/autograder"])  # (another folder laid out the same: for tests)
+'''
+
+
+def engine_entries():
+    """{zip name: bytes} of the grading engine (this package's grade/) and its entry point."""
+    package = pathlib.Path(__file__).resolve().parents[1]
+    entries = {f"{ENGINE_DIR}/jaxlab/__init__.py": (package / "__init__.py").read_bytes()}
+    # the engine and the evidence format it reads (checks/form.py: public, students have it too);
+    # the labs' hidden checks travel as files/jaxlab_<lab>.py, as before
+    for path in [*sorted((package / "grade").glob("*.py")), package / "checks" / "__init__.py",
+                 package / "checks" / "form.py"]:
+        entries[f"{ENGINE_DIR}/{path.relative_to(package.parent).as_posix()}"] = path.read_bytes()
+    entries["run_otter.py"] = RUN_ENGINE.encode()
+    return entries
+
+
+def write_stable_zip(src_zip, dest, extra=None):
+    """Copy a zip with sorted entries, fixed dates and permissions; ``extra`` ({name: bytes})
+    adds or replaces entries."""
     with zipfile.ZipFile(src_zip) as zin:
-        entries = sorted((i.filename, zin.read(i)) for i in zin.infolist() if not i.is_dir())
+        entries = {i.filename: zin.read(i) for i in zin.infolist() if not i.is_dir()}
+    entries = sorted({**entries, **(extra or {})}.items())
     tmp = pathlib.Path(dest).with_suffix(".tmp")
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
         for filename, data in entries:
@@ -184,7 +219,7 @@ def _generate(root, name, workdir, *, colab_url=None):
     if len(zips) != 1:
         raise ReleaseError(f"otter assign made {len(zips)} autograder zips")
     stable = workdir / f"{name}-autograder.zip"
-    write_stable_zip(zips[0], stable)
+    write_stable_zip(zips[0], stable, extra=engine_entries())
     solution = nbformat.read(dist / "autograder" / notebook, as_version=4)
     solution = normalise_notebook(make_standalone(solution, notebook, files))
     return student, stable, solution

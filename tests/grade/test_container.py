@@ -1,0 +1,100 @@
+"""The autograder zip's own entry point (what Gradescope and ``otter grade`` run) grades with
+jaxlab's engine: the tampering submissions of test_batch.py, graded one container run each
+through the zip's ``run_otter.py`` on a folder laid out as ``/autograder``, get zero for what
+they tampered with and say so; honest ones score as ``otter run`` scores them, in otter's
+results.json shape, and ``results.pkl`` (what ``otter grade`` reads) agrees.
+
+The Gradescope-sized run (an environment built from the zip alone, 768 MB, half a CPU) of the
+real labs is scripts/gradescope_fit.py's; its figures are in docs/grading.md.
+"""
+
+import concurrent.futures
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import dill
+import pytest
+
+from jaxlab.release import engine_entries, write_stable_zip
+
+from test_batch import FULL, NONE, POINTS, submissions
+
+CASES = {  # name -> (expected scores, words in the status)
+    "solution.ipynb": (FULL, ["Completed"]),
+    "wrong.ipynb": (NONE, ["Completed"]),
+    "patch_runner.ipynb": (NONE, ["TAMPERING", "q1, q2, q3"]),
+    "patch_allclose.ipynb": (NONE, ["TAMPERING", "q1"]),
+    "patch_sharding.ipynb": ({"q1": 0.0, "q2": 1.0, "q3": 1.0}, ["TAMPERING", "q1"]),
+    "fake_results.ipynb": (NONE, ["TAMPERING"]),
+    "fake_results_file.ipynb": (NONE, ["TAMPERING", "results.json"]),
+    "fake_report.ipynb": (NONE, ["TAMPERING", "imitating"]),
+    "always_equal.ipynb": (NONE, ["TAMPERING", "equal any object"]),
+}
+
+
+def run_container(zip_path, notebook, root):
+    """One container run: /autograder's layout in ``root``, the zip's run_otter.py on it."""
+    for sub in ("source", "submission", "results"):
+        (root / sub).mkdir(parents=True)
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(root / "source")
+    shutil.copy(notebook, root / "submission" / notebook.name)
+    run = subprocess.run([sys.executable, str(root / "source" / "run_otter.py"), str(root)],
+                         capture_output=True, text=True, timeout=300)
+    results = root / "results" / "results.json"
+    assert results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
+    return json.loads(results.read_text()), root / "results" / "results.pkl"
+
+
+@pytest.fixture(scope="module")
+def graded(lab, tmp_path_factory):
+    base = tmp_path_factory.mktemp("container")
+    zip_path = base / "fixture-autograder.zip"
+    write_stable_zip(lab.autograder, zip_path, extra=engine_entries())
+    made = submissions(lab, base / "subs")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run_container, zip_path, made[name][0], base / f"ag-{i}")
+                   for i, name in enumerate(CASES)}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def scores(results):
+    return {t["name"]: t["score"] for t in results["tests"] if t["name"] in POINTS}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_submission_scores_and_says_so_through_the_zip(graded, name):
+    results, _ = graded[name]
+    expected, words = CASES[name]
+    assert scores(results) == expected, results["output"][:2000]
+    status = results["output"].split("\n")[0]
+    assert status.startswith("grading_status: ") and "sandboxed by the container" in status
+    for word in words:
+        assert word in status, status
+    if "TAMPERING" not in words:
+        assert "TAMPERING" not in status
+
+
+def test_results_pkl_is_what_otter_grade_reads_and_agrees(graded):
+    for name, (results, pkl) in graded.items():
+        with open(pkl, "rb") as f:
+            pickled = dill.load(f)
+        assert {q: pickled.get_score(q) for q in POINTS} == scores(results), name
+
+
+def test_honest_results_json_matches_otter_run(graded, lab, tmp_path):
+    """Same tests, scores, max scores and visibility as otter's own containerized run."""
+    otter = pathlib.Path(sys.executable).with_name("otter")
+    notebook = tmp_path / "solution.ipynb"
+    shutil.copy(lab.solution, notebook)
+    subprocess.run([str(otter), "run", "-a", str(lab.autograder), "-o", str(tmp_path),
+                    str(notebook)], check=True, capture_output=True)
+    theirs = json.loads((tmp_path / "results.json").read_text())
+    ours, _ = graded["solution.ipynb"]
+    shape = lambda r: [(t["name"], t.get("score"), t.get("max_score"), t.get("visibility"))  # noqa: E731
+                       for t in r["tests"]]
+    assert shape(ours) == shape(theirs)
