@@ -21,7 +21,28 @@ import pytest
 
 from jaxlab.release import engine_entries, write_stable_zip
 
-from test_batch import FULL, NONE, POINTS, submissions
+from nbedit import write
+from test_batch import FULL, NONE, POINTS, submissions, with_cell
+
+# what a notebook run as the container's root could do to the grader (its parent process):
+# rewrite its entry point, forge its results, read the hidden tests, kill it
+HOSTILE = """\
+import os, pathlib, signal
+argv = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\\0")
+entry, root = pathlib.Path(argv[1].decode()), pathlib.Path(argv[2].decode())
+attempts = {
+    "entry": lambda: entry.write_text("print('owned')"),
+    "results": lambda: (root / "results" / "results.json").write_text('{"score": 99}'),
+    "tests": lambda: next((root / "source" / "tests").iterdir()).read_text(),
+    "kill": lambda: os.kill(os.getppid(), signal.SIGKILL),
+}
+for name, attempt in attempts.items():
+    try:
+        attempt()
+        print(name, "done")
+    except OSError as exc:
+        print(name, type(exc).__name__)
+"""
 
 CASES = {  # name -> (expected scores, words in the status)
     "solution.ipynb": (FULL, ["Completed"]),
@@ -33,6 +54,7 @@ CASES = {  # name -> (expected scores, words in the status)
     "fake_results_file.ipynb": (NONE, ["TAMPERING", "results.json"]),
     "fake_report.ipynb": (NONE, ["TAMPERING", "imitating"]),
     "always_equal.ipynb": (NONE, ["TAMPERING", "equal any object"]),
+    "hostile.ipynb": (FULL, ["Completed"]),
 }
 
 
@@ -50,12 +72,23 @@ def run_container(zip_path, notebook, root):
     return json.loads(results.read_text()), root / "results" / "results.pkl"
 
 
+def test_the_notebook_cannot_touch_the_grader(graded, tmp_path_factory):
+    """Run as another user than the container's root: the grader's entry point unchanged, its
+    results its own, and it lived to write them (the scores above)."""
+    results, pkl = graded["hostile.ipynb"]
+    entry = pkl.parents[1] / "source" / "run_otter.py"
+    assert "owned" not in entry.read_text()
+    assert results.get("score") != 99 and scores(results) == FULL
+
+
 @pytest.fixture(scope="module")
 def graded(lab, tmp_path_factory):
     base = tmp_path_factory.mktemp("container")
     zip_path = base / "fixture-autograder.zip"
     write_stable_zip(lab.autograder, zip_path, extra=engine_entries())
     made = submissions(lab, base / "subs")
+    made["hostile.ipynb"] = (write(with_cell(lab.notebook(), "y", HOSTILE),
+                                   base / "subs" / "hostile.ipynb"),)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(run_container, zip_path, made[name][0], base / f"ag-{i}")
                    for i, name in enumerate(CASES)}

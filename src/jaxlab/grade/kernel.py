@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from jupyter_core.utils import run_sync
 from . import process
 from .cgroup import KernelCgroup
 from .model import MiB
-from .sandbox import KernelFolder, bwrap_argv
+from .sandbox import SYSTEM_PATH, KernelFolder, bwrap_argv
 
 SANDBOX_KERNEL = "jaxlab-sandbox"
 
@@ -59,19 +60,49 @@ class Caps:
     disk_mb: int | None = None  # a tmpfs of this size as the kernel's folder
 
 
+def as_user_argv(folder, uid, connection, nproc=None):
+    """The command prefix that runs a kernel as ``uid`` (run by root): its folder becomes that
+    user's, and the connection file jupyter_client writes (0600, root's) readable to it just
+    before the drop. setpriv (util-linux) changes the user; prlimit caps its processes where
+    no cgroup does (RLIMIT_NPROC counts the user's processes, and this user runs nothing else).
+    """
+    for sub in (folder.work, folder.home, folder.tmp, folder.ipc, folder.reveal):
+        os.chown(sub, uid, uid)
+    folder.root.chmod(0o711)  # the user may pass through to its subfolders, not list them
+    tool = lambda name: shutil.which(name, path=SYSTEM_PATH) or name  # noqa: E731
+    argv = [tool("sh"), "-c", 'chown "$0" "$1" && shift && exec "$@"', f"{uid}:{uid}",
+            str(connection)]
+    if nproc:
+        argv += [tool("prlimit"), f"--nproc={nproc}", "--"]
+    return argv + [tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                   "--inh-caps=-all", "--bounding-set=-all", "--"]
+
+
+def user_can_run_python(uid):
+    """None when ``uid`` can start this Python and import ipykernel; else why not, in words."""
+    run = subprocess.run([shutil.which("setpriv", path=SYSTEM_PATH) or "setpriv",
+                          f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                          sys.executable, "-c", "import ipykernel"],
+                         capture_output=True, text=True, cwd="/", env={"HOME": "/"})
+    if run.returncode:
+        return (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]
+    return None
+
+
 @dataclasses.dataclass
 class Kernel:
     km: AsyncKernelManager
     folder: KernelFolder
     sandboxed: bool
     cgroup: KernelCgroup | None = None
+    uid: int | None = None  # the user it runs as, when not the grader's own
 
     @classmethod
     def start(cls, env, root, cpu=None, *, sandboxed=False, cache_dir=None, cache_writable=False,
-              caps=Caps()):
+              caps=Caps(), uid=None):
         """A kernel in a fresh folder under ``root``; in its own bwrap sandbox if ``sandboxed``,
         with the compilation cache ``cache_dir`` bound read-only (writable if ``cache_writable``),
-        under ``caps``.
+        under ``caps``; as user ``uid`` (not sandboxed, the grader root) if given.
         """
         folder = KernelFolder.create(root, caps.disk_mb and caps.disk_mb * MiB)
         group = None
@@ -80,7 +111,7 @@ class Kernel:
                 group = KernelCgroup.create(caps.cgroup_parent, processes=caps.processes,
                                             cpus=None if cpu is None else {cpu}, quota=caps.cpus)
             return cls._start(env, folder, group, cpu, sandboxed, cache_dir, cache_writable,
-                              caps.processes)
+                              caps.processes, uid)
         except BaseException:
             if group:
                 group.remove()
@@ -88,9 +119,15 @@ class Kernel:
             raise
 
     @classmethod
-    def _start(cls, env, folder, group, cpu, sandboxed, cache_dir, cache_writable, processes):
+    def _start(cls, env, folder, group, cpu, sandboxed, cache_dir, cache_writable, processes,
+               uid):
         prefix = group.join_prefix() if group else []
-        if sandboxed:
+        connection = folder.ipc / "kernel.json"
+        if uid is not None and not sandboxed:
+            prefix += as_user_argv(folder, uid, connection,
+                                   nproc=processes if group is None else None)
+            env = {**env, "HOME": str(folder.home), "TMPDIR": str(folder.tmp)}
+        elif sandboxed:
             # without a cgroup (not root), RLIMIT_NPROC inside the sandbox caps its processes
             nproc = processes if group is None and os.geteuid() != 0 else None
             prefix += bwrap_argv(folder, cpu=cpu, cache_dir=cache_dir,
@@ -107,14 +144,14 @@ class Kernel:
                  "interrupt_mode": "message" if sandboxed else "signal"}))
             km = AsyncKernelManager(
                 kernel_name=SANDBOX_KERNEL, transport="ipc" if sandboxed else "tcp",
-                connection_file=str(folder.ipc / "kernel.json"),
+                connection_file=str(connection),
                 kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)]))
         else:
             km = AsyncKernelManager(kernel_name="python3")
         # jupyter_client starts the kernel in a new session: its pid is its process group id
         run_sync(km.start_kernel)(cwd=str(folder.work), env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        kernel = cls(km, folder, sandboxed, group)
+        kernel = cls(km, folder, sandboxed, group, uid if not sandboxed else None)
         if cpu is not None and not sandboxed:  # (sandboxed: taskset in bwrap's command line)
             # XLA's threads start later from the kernel's main thread and inherit this
             psutil.Process(kernel.pid).cpu_affinity([cpu])

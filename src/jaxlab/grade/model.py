@@ -41,6 +41,7 @@ class Settings:
     prestart: bool = True
     cgroup: dict | None = None  # the batch's cgroup.Parent, kernels' cgroups go in (as_dict)
     disk_cap: bool = False  # whether each kernel's folder is a size-limited tmpfs
+    kernel_uid: int | None = None  # unsandboxed kernels run as this user (a root container's)
     xla_threads: int | None = None
     cpu: int | None = None
     log: str | None = None

@@ -66,6 +66,8 @@ class Worker:
         self.scratch = pathlib.Path(tempfile.mkdtemp(prefix="worker-", dir=settings.scratch))
         self.kernels = self.scratch / "kernels"
         self.kernels.mkdir()
+        if settings.kernel_uid is not None:  # kernels of another user pass through to theirs
+            self.scratch.chmod(0o711)
         # kernels read the trusted warm-up's compilation cache and write none: an entry one
         # submission wrote would be code the next one runs
         self.env = kernel_env(settings.cache_dir, settings.xla_threads,
@@ -83,7 +85,7 @@ class Worker:
     def _start_kernel(self):
         return Kernel.start(self.env, self.kernels, self.s.cpu, sandboxed=self.s.sandboxed,
                             cache_dir=self.s.cache_dir, cache_writable=self.s.cache_writable,
-                            caps=self.caps)
+                            caps=self.caps, uid=self.s.kernel_uid)
 
     def _prestart(self):
         """Start the next submission's kernel while this one runs."""
@@ -191,7 +193,7 @@ class Worker:
                 planted = kernel.folder.clear_reveal() if session.alive else []
                 if session.alive:
                     try:
-                        self._reveal(private, tests, layout)
+                        self._reveal(private, tests, layout, kernel.uid)
                     except OSError as exc:  # e.g. a process of the kernel filled it meanwhile
                         raise BadSubmission("the notebook's processes kept the grader from "
                                             f"placing its checks ({exc})") from None
@@ -235,8 +237,11 @@ class Worker:
             dest = work / path.relative_to(self.ag.files)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, dest)
+        if kernel.uid is not None:  # the student's files are theirs to change, as anywhere
+            for path in [*work.rglob("*"), work]:
+                os.chown(path, kernel.uid, kernel.uid, follow_symlinks=False)
 
-    def _reveal(self, private, tests, layout):
+    def _reveal(self, private, tests, layout, uid=None):
         """Create the hidden checks and the evidence folder once the student's cells are done."""
         private.mkdir(mode=0o700)
         for path in [*self.ag.hidden_files(), *self.ag.files.glob(f"{FORM_MODULE}.py")]:
@@ -244,6 +249,9 @@ class Worker:
         for q, tf in self.ag.tests.items():
             shutil.copyfile(tf.path, tests[q])
         layout.folder.mkdir(mode=0o700)
+        if uid is not None:  # read and written by the kernel's user (judged here all the same)
+            for path in (private, layout.folder):
+                os.chown(path, uid, uid)
 
     def _reap(self):
         """Kill every process left from this job: orphans of the kernel land here (subreaper)."""
