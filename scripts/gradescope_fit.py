@@ -17,6 +17,13 @@ the sampled peak of anonymous memory, i.e. without page cache) and whether it fi
     .venv/bin/python scripts/gradescope_fit.py                     # both labs, 768 MB, 0.5 CPU
     .venv/bin/python scripts/gradescope_fit.py lab3-parallelism --wall 420
     .venv/bin/python scripts/gradescope_fit.py --memory 0          # no memory cap (to compare)
+    .venv/bin/python scripts/gradescope_fit.py --tampering --jobs 3  # Lab 3's tampering cases
+
+``--tampering`` grades scripts/grade_demo.py's tampering notebooks (each a wrong Task 1 answer
+plus the tampering), a control with the same wrong answer and the solution, each in its own
+container (``--jobs`` at once: keep jobs x cpu within this machine's cores), and checks that
+Task 1 scores zero and the status says TAMPERING for each tampering case, and every other
+question keeps its points.
 
 Needs root (cgroups), cgroup v1 ``memory`` and ``cpu`` controllers and ``bwrap``.
 """
@@ -55,6 +62,9 @@ MIB = 2**20
 @dataclasses.dataclass(frozen=True)
 class Fit:
     lab: str
+    name: str
+    scores: dict  # test name -> (score, max score)
+    status: str  # the first line of results.json's output (jaxlab's grading_status)
     score: float | None
     possible: float | None
     wall_s: float
@@ -201,16 +211,17 @@ def bwrap_command(env: pathlib.Path, work: pathlib.Path, setenv: dict[str, str])
 
 def grade(lab: str, *, memory: int, cpu: float, wall: float, cache: pathlib.Path,
           log_dir: pathlib.Path, setenv: dict[str, str],
-          submission: pathlib.Path | None = None) -> Fit:
+          submission: pathlib.Path | None = None, name: str | None = None) -> Fit:
     zip_path = ROOT / "autograder" / f"{lab}-autograder.zip"
     submission = submission or ROOT / "solutions" / lab / f"{lab}.ipynb"
+    name = name or lab
     env = build_env(zip_path, cache)
     evict_page_cache(env)
     with tempfile.TemporaryDirectory(prefix=f"gsfit-{lab}-") as tmp:
         work = pathlib.Path(tmp)
         autograder = layout(zip_path, submission, work)
         evict_page_cache(work)
-        group = Cgroup(f"gsfit-{lab}-{os.getpid()}", memory=memory, cpu=cpu)
+        group = Cgroup(f"gsfit-{name}-{os.getpid()}", memory=memory, cpu=cpu)
         peaks = {"anon": 0, "cache": 0}
         done = threading.Event()
 
@@ -220,7 +231,7 @@ def grade(lab: str, *, memory: int, cpu: float, wall: float, cache: pathlib.Path
                 peaks["anon"] = max(peaks["anon"], s.get("total_rss", 0))
                 peaks["cache"] = max(peaks["cache"], s.get("total_cache", 0))
 
-        log_path = log_dir / f"{lab}.log"
+        log_path = log_dir / f"{name}.log"
         sampler = threading.Thread(target=sample, daemon=True)
         try:
             with open(log_path, "w") as log:
@@ -243,6 +254,7 @@ def grade(lab: str, *, memory: int, cpu: float, wall: float, cache: pathlib.Path
             done.set()
             group.remove()
         score = possible = None
+        scores, status = {}, ""
         results = autograder / "results" / "results.json"
         if results.exists():
             data = json.loads(results.read_text())
@@ -250,9 +262,67 @@ def grade(lab: str, *, memory: int, cpu: float, wall: float, cache: pathlib.Path
             # otter's results.json has a top-level score only when it overrides the tests' sum
             score = data.get("score", sum(t.get("score") or 0 for t in tests))
             possible = sum(t.get("max_score") or 0 for t in tests)
-            shutil.copy(results, log_dir / f"{lab}-results.json")
-        return Fit(lab, score, possible, wall_s, timed_out, peak, peaks["anon"],
-                   peaks["cache"], failcnt, wall)
+            scores = {t["name"]: (t.get("score"), t["max_score"]) for t in tests
+                      if "max_score" in t}
+            status = data.get("output", "").split("\n")[0]
+            shutil.copy(results, log_dir / f"{name}-results.json")
+        return Fit(lab, name, scores, status, score, possible, wall_s, timed_out, peak,
+                   peaks["anon"], peaks["cache"], failcnt, wall)
+
+
+def tampering_cases(folder: pathlib.Path) -> dict[str, tuple[pathlib.Path, bool]]:
+    """name -> (notebook, tampered?): grade_demo's tampering notebooks, the control (the same
+    wrong Task 1 answer, nothing else) and the solution."""
+    import copy
+
+    import nbformat
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from grade_demo import LAB, TAMPERING, with_cell
+
+    sol = nbformat.read(ROOT / "solutions" / LAB / f"{LAB}.ipynb", as_version=4)
+    wrong = copy.deepcopy(sol)
+    cell = next(c for c in wrong.cells if c.source.startswith("### Your code here\nA_sharded"))
+    cell.source = cell.source.replace("jax.device_put(A, sharding)",
+                                      "jax.device_put(A + 1, sharding)")
+    cases = {}
+    for name, nb in {"solution": sol, "wrong-task-1": wrong,
+                     **{n: with_cell(wrong, src, 'grader.check("q1_device_put")')
+                        for n, src in TAMPERING.items()}}.items():
+        path = folder / f"{name}.ipynb"
+        nbformat.write(nb, path)
+        cases[name] = (path, name.startswith("tamper-"))
+    return cases
+
+
+def tampering(args, memory: int, logs: pathlib.Path) -> bool:
+    """Grade the tampering cases side by side; print one line each; whether all came out right."""
+    import concurrent.futures
+
+    lab = "lab3-parallelism"
+    build_env(ROOT / "autograder" / f"{lab}-autograder.zip", args.cache)  # once, before the pool
+    cases = tampering_cases(pathlib.Path(tempfile.mkdtemp(prefix="gsfit-tampering-")))
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = {name: pool.submit(grade, lab, memory=memory, cpu=args.cpu, wall=args.wall,
+                                     cache=args.cache, log_dir=logs, setenv={},
+                                     submission=path, name=name)
+                   for name, (path, _) in cases.items()}
+        fits = {name: f.result() for name, f in futures.items()}
+    ok = True
+    for name, fit in fits.items():
+        tampered = cases[name][1]
+        q1, q1_max = fit.scores.get("q1_device_put", (None, None))
+        others_full = bool(fit.scores) and all(
+            score == most for test, (score, most) in fit.scores.items() if test != "q1_device_put")
+        right = (others_full and fit.wall_s < min(args.wall, WALL_DEFAULT) and
+                 (q1 == 0 and "TAMPERING" in fit.status if tampered else
+                  q1 == (q1_max if name == "solution" else 0) and "TAMPERING" not in fit.status))
+        ok &= right
+        print(f"{name:26s} Task 1 {q1!s:>4}  total {fit.score!s:>5} / {fit.possible!s:5}  "
+              f"wall {fit.wall_s:5.1f} s  peak {fit.peak_bytes / MIB:4.0f} MiB  "
+              f"{'as expected' if right else 'NOT AS EXPECTED'}  | {fit.status[:160]}",
+              flush=True)
+    return ok
 
 
 def parse_size(text: str) -> int:
@@ -281,6 +351,10 @@ def main() -> None:
                         help="grade this notebook instead of the lab's solution (one lab only)")
     parser.add_argument("--logs", type=pathlib.Path, default=None,
                         help="folder for each run's output and results.json")
+    parser.add_argument("--tampering", action="store_true",
+                        help="grade Lab 3's tampering cases, a control and the solution")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="containers at once with --tampering (default: 1)")
     args = parser.parse_args()
     if os.geteuid() != 0 or not (CGROUP_V1 / "memory").is_dir() or not shutil.which("bwrap"):
         parser.error("needs root, cgroup v1 controllers under /sys/fs/cgroup and bwrap "
@@ -307,6 +381,8 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"limits: memory {memory // MIB or 'none'} MiB, cpu {args.cpu or 'none'}, "
           f"wall {args.wall:.0f} s; logs in {logs}", flush=True)
+    if args.tampering:
+        raise SystemExit(0 if tampering(args, memory, logs) else 1)
     fits = []
     for lab in args.labs:
         fit = grade(lab, memory=memory, cpu=args.cpu, wall=args.wall, cache=args.cache,

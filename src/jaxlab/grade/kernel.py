@@ -63,15 +63,17 @@ class Caps:
 def as_user_argv(folder, uid, connection, nproc=None):
     """The command prefix that runs a kernel as ``uid`` (run by root): its folder becomes that
     user's, and the connection file jupyter_client writes (0600, root's) readable to it just
-    before the drop. setpriv (util-linux) changes the user; prlimit caps its processes where
+    before the drop; the OOM killer's first choice. setpriv (util-linux) changes the user; prlimit caps its processes where
     no cgroup does (RLIMIT_NPROC counts the user's processes, and this user runs nothing else).
     """
     for sub in (folder.work, folder.home, folder.tmp, folder.ipc, folder.reveal):
         os.chown(sub, uid, uid)
     folder.root.chmod(0o711)  # the user may pass through to its subfolders, not list them
     tool = lambda name: shutil.which(name, path=SYSTEM_PATH) or name  # noqa: E731
-    argv = [tool("sh"), "-c", 'chown "$0" "$1" && shift && exec "$@"', f"{uid}:{uid}",
-            str(connection)]
+    # oom_score_adj 1000: where only the container's memory limit holds (no cgroup of its own),
+    # the kernel, not the grader, is what the OOM killer takes
+    argv = [tool("sh"), "-c", 'echo 1000 > /proc/self/oom_score_adj; '
+            'chown "$0" "$1" && shift && exec "$@"', f"{uid}:{uid}", str(connection)]
     if nproc:
         argv += [tool("prlimit"), f"--nproc={nproc}", "--"]
     return argv + [tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
