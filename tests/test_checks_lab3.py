@@ -173,6 +173,7 @@ def test_q9_timing_method_accepts_warm_blocked_averages(timer):
     (timer_without_warmup, "counts the first (compiling) call"),
     (functools.partial(timer_without_warmup, repeats=60), "counts the first (compiling) call"),
     (timer_without_block, "jax.block_until_ready inside the timed region"),
+    (functools.partial(good_timer, repeats=1), "then time at least 2 calls"),
 ])
 def test_q9_timing_method_recognises_each_slip(timer, words):
     with pytest.raises(AssertionError, match=re.escape(words)):

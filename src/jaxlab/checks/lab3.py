@@ -44,6 +44,7 @@ TIMING_FIRST_CALL = 0.25
 TIMING_STEP = 0.005
 TIMING_MARGIN = 4
 TIMING_MAX_CALLS = 100
+TIMING_MIN_TIMED = 2  # calls after the first: one timed call is not an average
 MESH_SIZES = (4, 8)
 FRESH_ROWS = 64
 
@@ -688,6 +689,13 @@ def _timing_method(run):
     if out["kind"] != "number" or not math.isfinite(out["value"]):
         _fail(f"{test}; it returned {form.describe(out)}; expected the seconds per call "
               "(a float).")
+    timed = n - 1  # the first call compiles: the task says to leave it out of the timing
+    if timed < TIMING_MIN_TIMED:
+        _fail(f"{test}; it called f {n} time{'s' if n != 1 else ''}, so at most {timed} "
+              f"call{'s' if timed != 1 else ''} after the first (compiling) one can have been "
+              f"timed. Call f once before starting the clock, then time at least "
+              f"{TIMING_MIN_TIMED} calls (the task says several, at most {TIMING_MAX_CALLS}) "
+              "and return their average.")
     t = out["value"]
     if t < step / 2:
         _fail(f"{test}. It returned {t:.3g} s per call instead of about {step:.3g} s: the clock "

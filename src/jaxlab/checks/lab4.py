@@ -49,6 +49,10 @@ TRAIN_STEPS = 1000
 # from zero (about 1 draw in 25 qualifies; each draw costs ~4 ms).
 KINK_MARGIN = 1e-4
 KINK_DRAWS = 1000
+# A loss that returns one device's mean instead of the batch's must never pass by chance: fresh
+# draws also keep every device's share of the batch (FRESH_BATCH / N_DEVICES rows) at least
+# SHARD_LOSS_GAP (relative) away from the whole batch's mean loss, ten times GRAD_RTOL.
+SHARD_LOSS_GAP = 1e-2
 
 COLLECTIVES = {
     "psum": ("psum", "psum_invariant", "psum2"),
@@ -297,15 +301,30 @@ def _kink_margin(params, inputs):
     return margin
 
 
+def _shard_loss_gap(params, batch, shards=N_DEVICES):
+    """How far the nearest device's mean loss over its rows lies from the batch's, relatively."""
+    inputs, targets = batch
+    h = np.asarray(inputs, np.float64)
+    for i, (W, b) in enumerate(params):
+        h = h @ np.asarray(W, np.float64) + np.asarray(b, np.float64)
+        if i < len(params) - 1:
+            h = np.maximum(h, 0.0)
+    per_example = ((h - np.asarray(targets, np.float64)) ** 2).sum(axis=-1)
+    whole = per_example.mean()
+    return float(np.abs(per_example.reshape(shards, -1).mean(axis=1) - whole).min() / whole)
+
+
 def _kink_free_seed(rng, draws=KINK_DRAWS):
+    """A seed whose fresh draw keeps clear of ReLU kinks (KINK_MARGIN) and whose devices' mean
+    losses each differ from the batch's (SHARD_LOSS_GAP); else the draw closest to both."""
     best = (-1.0, None)
     for _ in range(draws):
         seed = int(rng.integers(1, 2**31))
-        params, (inputs, _) = _fresh_init(seed)
-        margin = _kink_margin(params, inputs)
-        if margin >= KINK_MARGIN:
+        params, batch = _fresh_init(seed)
+        margin, gap = _kink_margin(params, batch[0]), _shard_loss_gap(params, batch)
+        if margin >= KINK_MARGIN and gap >= SHARD_LOSS_GAP:
             return seed
-        best = max(best, (margin, seed))
+        best = max(best, (min(margin / KINK_MARGIN, gap / SHARD_LOSS_GAP), seed))
     return best[1]
 
 
