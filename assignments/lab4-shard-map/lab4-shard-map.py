@@ -730,7 +730,7 @@ params, batch = init(jax.random.key(0), layer_sizes, batch_size)
 
 loss_single = jax.jit(loss)(params, batch)
 grad_single = jax.jit(jax.grad(loss))(params, batch)
-print("single-device loss:", loss_single)
+print(f"single-device loss: {float(loss_single):.4f}")
 
 
 def allclose(a, b):
@@ -820,7 +820,8 @@ def test_q7_loss_dp(loss_dp):
 
 # %%
 if answered(loss_dp):
-    print(jax.jit(loss_dp)(params_dp, batch_dp), loss_single)
+    print(f"loss {float(jax.jit(loss_dp)(params_dp, batch_dp)):.4f}, "
+          f"single-device {float(loss_single):.4f}")
     print("same gradient:", allclose(jax.jit(jax.grad(loss_dp))(params_dp, batch_dp), grad_single))
 
 # %% [markdown]
@@ -914,7 +915,8 @@ def test_q8_loss_fsdp(loss_fsdp):
 
 # %%
 if answered(loss_fsdp):
-    print(jax.jit(loss_fsdp)(params_fsdp, batch_fsdp), loss_single)
+    print(f"loss {float(jax.jit(loss_fsdp)(params_fsdp, batch_fsdp)):.4f}, "
+          f"single-device {float(loss_single):.4f}")
     print("same gradient:",
           allclose(jax.jit(jax.grad(loss_fsdp))(params_fsdp, batch_fsdp), grad_single))
 
@@ -1004,7 +1006,8 @@ def test_q9_loss_tp(loss_tp):
 
 # %%
 if answered(loss_tp):
-    print(jax.jit(loss_tp)(params_tp, batch_tp), loss_single)
+    print(f"loss {float(jax.jit(loss_tp)(params_tp, batch_tp)):.4f}, "
+          f"single-device {float(loss_single):.4f}")
     print("same gradient:", allclose(jax.jit(jax.grad(loss_tp))(params_tp, batch_tp), grad_single))
 
 # %% [markdown]

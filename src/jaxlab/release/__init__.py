@@ -5,6 +5,7 @@ order and dates, a stable zip name), executes the solution notebook with outputs
 to write a release whose solution does not score full marks under ``otter run``.
 """
 
+import base64
 import copy
 import hashlib
 import json
@@ -292,6 +293,61 @@ def without_volatile_output(nb):
     return cells
 
 
+# Executed output compared as a reader sees it. Sums over simulated CPU devices do not add in a
+# fixed order, so the last bits of a printed float and a few pixels of a plot change between
+# executions of an unchanged notebook (Lab 4 printed 11.9203 then 11.920298).
+OUTPUT_RTOL = 1e-4  # printed numbers this close (relatively) count as equal
+IMAGE_TOL = 0.1  # RMS over 0-255 pixel values; two executions of Lab 3's loss curve: 0.004
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def texts_agree(a, b, rtol=OUTPUT_RTOL):
+    """The same text around its numbers, and numbers equal within ``rtol``."""
+    if a == b:
+        return True
+    if _NUMBER.split(a) != _NUMBER.split(b):
+        return False
+    xs, ys = _NUMBER.findall(a), _NUMBER.findall(b)
+    return all(abs(float(x) - float(y)) <= rtol * max(abs(float(x)), abs(float(y)))
+               for x, y in zip(xs, ys))
+
+
+def images_agree(a, b, tol=IMAGE_TOL):
+    """Two base64 PNGs within ``tol`` RMS of each other (matplotlib's image comparison)."""
+    if a == b:
+        return True
+    from matplotlib.testing.compare import compare_images
+    from matplotlib.testing.exceptions import ImageComparisonFailure
+
+    with tempfile.TemporaryDirectory(prefix="jaxlab-png-") as tmp:
+        paths = [pathlib.Path(tmp) / f"{i}.png" for i in (0, 1)]
+        for path, data in zip(paths, (a, b)):
+            path.write_bytes(base64.b64decode(data))
+        try:
+            return compare_images(str(paths[0]), str(paths[1]), tol=tol) is None
+        except ImageComparisonFailure:  # e.g. another size
+            return False
+
+
+def _agree(a, b, key=None):
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_agree(a[k], b[k], k) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_agree(x, y, key) for x, y in zip(a, b))
+    if isinstance(a, str) and isinstance(b, str):
+        return images_agree(a, b) if key == "image/png" else texts_agree(a, b)
+    return a == b
+
+
+def outputs_agree(committed, fresh):
+    """Whether two executions of a notebook show the same: the same cells and sources, output
+    equal after the VOLATILE_OUTPUT rules, numbers within OUTPUT_RTOL, images within IMAGE_TOL."""
+    a, b = without_volatile_output(committed), without_volatile_output(fresh)
+    return len(a) == len(b) and all(
+        (ta, sa) == (tb, sb) and _agree(json.loads(oa), json.loads(ob))
+        for (ta, sa, oa), (tb, sb, ob) in zip(a, b))
+
+
 def otter_run(notebook, autograder, workdir):
     """Grade ``notebook`` with ``otter run``; returns the tests of its results.json."""
     out = pathlib.Path(tempfile.mkdtemp(dir=workdir))
@@ -332,14 +388,14 @@ def build(*, root, name, colab_url=None, log=print):
         log(f"{name}: solution scores {total:g}/{total:g} on {len(scores)} questions")
         sol_dir = root / "solutions" / name
         committed = sol_dir / f"{name}.ipynb"
-        keep = committed.exists() and without_volatile_output(
-            nbformat.read(committed, as_version=4)) == without_volatile_output(solution)
+        keep = committed.exists() and outputs_agree(nbformat.read(committed, as_version=4),
+                                                    solution)
         if keep:
             kept = workdir / "kept.ipynb"
             shutil.copy(committed, kept)
             solved = kept
             log(f"{name}: the executed solution differs from the committed one only in "
-                "volatile output (emoji, timings): kept the committed file")
+                "volatile output (emoji, timings, last digits, pixels): kept the committed file")
         _install(student, root / "student" / name)
         _install(student, sol_dir)
         shutil.copy(solved, sol_dir / f"{name}.ipynb")
