@@ -261,3 +261,52 @@ def test_volatile_normaliser_ignores_emoji_timings_and_stream_splits_only():
     assert a != nb_with("\u2728 failed", [timing.format("38.1", "0.76", "0.439")],
                         [bar.format(100, 2) + "\n"])
     assert a != nb_with("\u2728", [timing.format("38.1", "0.76", "0.439")], [bar.format(99, 2) + "\n"])
+
+
+def _png(values):
+    """A small PNG (base64) of a line plot, as a notebook's image/png output holds it."""
+    import base64
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(3, 2), dpi=50)
+    ax.plot(values)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_outputs_agree_as_a_reader_sees_them():
+    def executed(text, png):
+        nb = nbformat.v4.new_notebook()
+        cell = nbformat.v4.new_code_cell("print(loss); plot()")
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text),
+                        nbformat.v4.new_output("display_data", data={"image/png": png})]
+        nb.cells.append(cell)
+        return nb
+
+    curve = [1.0, 0.5, 0.3, 0.2]
+    committed = executed("loss 11.9203, single-device 11.920298\n", _png(curve))
+    # the last float32 digits of a reduction over devices, and a redrawn but identical plot
+    assert release.outputs_agree(
+        committed, executed("loss 11.920301, single-device 11.9203\n", _png(list(curve))))
+    # another number, other words, another curve: a reader sees the change
+    assert not release.outputs_agree(committed, executed("loss 11.93, single-device 11.9203\n",
+                                                         _png(curve)))
+    assert not release.outputs_agree(committed, executed("loss 11.9203, one device 11.9203\n",
+                                                         _png(curve)))
+    assert not release.outputs_agree(committed, executed(
+        "loss 11.9203, single-device 11.920298\n", _png([1.0, 0.9, 0.3, 0.2])))
+
+
+def test_texts_agree_within_the_named_tolerance_only():
+    tol = release.OUTPUT_RTOL
+    assert release.texts_agree("x = 1.0", f"x = {1 + tol / 2}")
+    assert not release.texts_agree("x = 1.0", f"x = {1 + 3 * tol}")
+    assert not release.texts_agree("x = 1.0", "x = 1.0 and more")
+    assert not release.texts_agree("shape (8, 4)", "shape (8, 5)")
