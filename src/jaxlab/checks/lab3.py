@@ -693,9 +693,9 @@ def _timing_method(run):
     if timed < TIMING_MIN_TIMED:
         _fail(f"{test}; it called f {n} time{'s' if n != 1 else ''}, so at most {timed} "
               f"call{'s' if timed != 1 else ''} after the first (compiling) one can have been "
-              f"timed. Call f once before starting the clock, then time at least "
-              f"{TIMING_MIN_TIMED} calls (the task says several, at most {TIMING_MAX_CALLS}) "
-              "and return their average.")
+              f"timed; expected an average over at least {TIMING_MIN_TIMED} timed calls (the "
+              f"task says several, at most {TIMING_MAX_CALLS}). Call f once before starting "
+              f"the clock, then time at least {TIMING_MIN_TIMED} calls and return their average.")
     t = out["value"]
     if t < step / 2:
         _fail(f"{test}. It returned {t:.3g} s per call instead of about {step:.3g} s: the clock "
