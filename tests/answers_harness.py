@@ -57,9 +57,7 @@ class Answer:
     why: str
     code: str
     correct: bool
-    # what the failure must say; a list when the answer is wrong in several ways and the
-    # probe's random draw decides which the check reports first (any one of them will do)
-    message: str | tuple | None = None
+    message: str | None = None  # what the failure must say
     other_questions_lose: tuple = ()
 
     @property
@@ -93,8 +91,7 @@ def load_answers(lab):
                 answers.append(Answer(
                     lab=lab, question=path.stem, name=entry["name"], why=entry["why"],
                     code=entry["code"], correct=kind == "correct",
-                    message=(tuple(entry["message"]) if isinstance(entry.get("message"), list)
-                             else entry.get("message")),
+                    message=entry.get("message"),
                     other_questions_lose=tuple(entry.get("other_questions_lose", ()))))
     return answers
 
