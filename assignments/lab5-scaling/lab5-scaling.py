@@ -282,7 +282,7 @@ def test_q1_form(mesh_2d, x_2d, params_2d, forward_2d, out_2d):
     import jaxlab_form as form
     form.expect_defined("mesh_2d", form.evidence(mesh_2d))
     form.expect_on_mesh("x_2d", form.evidence(x_2d), shape=(32, 16))
-    form.expect_kind("params_2d", form.evidence(params_2d), "tuple", "a tuple (W1, b1, W2, b2)")
+    form.expect_defined("params_2d", form.evidence(params_2d))
     form.expect_callable("forward_2d", form.evidence(forward_2d))
     form.expect_on_mesh("out_2d", form.evidence(out_2d), shape=(32, 8))
 
@@ -491,8 +491,7 @@ points: 0
 def test_q3_form(mesh_stage, stage_params):
     import jaxlab_form as form
     form.expect_defined("mesh_stage", form.evidence(mesh_stage))
-    form.expect_kind("stage_params", form.evidence(stage_params), "tuple",
-                     "a tuple (W_stack, b_stack)")
+    form.expect_defined("stage_params", form.evidence(stage_params))
 
 # %%
 """ # BEGIN TEST CONFIG
