@@ -177,8 +177,8 @@ summed = jnp.dot(a, b, out_sharding=NamedSharding(grid_mesh, P("x", None)))
 print("with out_sharding:", jax.typeof(summed))
 
 # %% [markdown]
-# `out_sharding` takes a `NamedSharding`, or a bare `P(...)` inside `with jax.set_mesh(mesh):`.
-# Asking for an output that is not split over `y` makes XLA add up the summands over `y`: the
+# `out_sharding` takes a `NamedSharding` (the mesh and the spec of the result). Asking for an
+# output that is not split over `y` makes XLA add up the summands over `y`: the
 # all-reduce happens there, and nowhere else.
 #
 # The MLP of this part and its loss (the mean over examples of the squared error, summed over

@@ -222,6 +222,15 @@ def _close(name, actual, expected, what, rtol=RTOL, atol=ATOL):
               f"{worst:.3g} (tolerance: rtol={rtol:g}, atol={atol:g}).")
 
 
+def _is_factor(k):
+    """Whether ``k`` (a ratio of a wrong result to the right one) is a whole number >= 2 or one
+    over such a number: the signature of a sum taken for a mean, or the reverse."""
+    if k is None or k <= 0:
+        return False
+    big = k if k >= 1 else 1 / k
+    return round(big) >= 2 and math.isclose(big, round(big), rel_tol=GRAD_RTOL)
+
+
 def _ratio(actual, expected):
     """actual / expected when the two are proportional (within GRAD_RTOL), else None."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
@@ -272,9 +281,10 @@ def _arrays(name, ev, count, what):
     return ev["items"]
 
 
-def _uses_shard_map(name, program, why):
+def _uses_shard_map(name, program, what):
     if not program["shard_maps"]:
-        _fail(f"`{name}` gives the right numbers but does not go through jax.shard_map; {why}.")
+        _fail(f"`{name}` gives the right numbers but does not go through jax.shard_map; "
+              f"expected what the task asks for: {what}.")
 
 
 def _jitted(name, program):
@@ -461,7 +471,7 @@ def _check_mesh_2d(mev):
 def _check_first_layer(name, program, batch):
     """The hidden activations stay split over `model`: W1 is never gathered."""
     n_in, n_hidden, n_out = MLP_SIZES
-    wanted = f"f32[{batch}@data,{n_hidden}@model]"
+    wanted = f"float32[{batch}@data,{n_hidden}@model]"
     first = [s for s in program["steps"] if s["prim"] == "dot_general" and not s["inside"]
              and s["out"] == [[batch, n_hidden]]]
     for step in first:
@@ -539,7 +549,7 @@ def _q2(ev):
     _array_out(call, out, ())
     value = float(out["value"])
     k = _ratio(value, ref_loss)
-    if k is not None and not math.isclose(k, 1.0, rel_tol=GRAD_RTOL):
+    if _is_factor(k):
         _fail(f"`{call}` is {value:.6g}, {k:.3g} times the loss {ref_loss:.6g}. Expected the "
               "mean over 'data' of the devices' mean losses (jax.lax.pmean, or psum divided by "
               "the size of 'data'), after one psum over 'model' of the output block.")
@@ -547,10 +557,9 @@ def _q2(ev):
            rtol=GRAD_RTOL, atol=GRAD_ATOL)
     grad_call = "the gradient of `loss_2d` (jax.grad)"
     leaves = _arrays(grad_call, fresh["grad"], 4, "a tuple of four gradients like `params`")
-    ratios = {_ratio(a["value"], e) for a, e in zip(leaves, ref_grads)}
-    if len(ratios) == 1 and None not in ratios and not math.isclose(next(iter(ratios)), 1,
-                                                                     rel_tol=GRAD_RTOL):
-        _fail(f"{grad_call} is {next(iter(ratios)):.3g} times the gradient of `mlp_loss`. "
+    ratios = [_ratio(a["value"], e) for a, e in zip(leaves, ref_grads)]
+    if all(_is_factor(k) and math.isclose(k, ratios[0], rel_tol=GRAD_RTOL) for k in ratios):
+        _fail(f"{grad_call} is {ratios[0]:.3g} times the gradient of `mlp_loss`. "
               "Inside jax.shard_map, jax.grad already adds up the contributions of a "
               "parameter's copies; take the gradient of the averaged loss and do not average "
               "or sum the gradients yourself.")
@@ -559,8 +568,8 @@ def _q2(ev):
                "the gradient of `mlp_loss` for new params and batch", rtol=GRAD_RTOL,
                atol=GRAD_ATOL)
     program = _program_of("loss_2d", fresh)
-    _uses_shard_map("loss_2d", program, "this task asks you to write the per-device program "
-                    "with jax.shard_map on mesh_2d")
+    _uses_shard_map("loss_2d", program, "the per-device program written with jax.shard_map "
+                    "on mesh_2d")
     for sm in program["shard_maps"]:
         if tuple(sm["axis_names"]) != MESH_2D[0] or tuple(sm["mesh_shape"]) != MESH_2D[1]:
             _fail(f"`loss_2d` runs jax.shard_map on a mesh with axes {tuple(sm['axis_names'])} "
@@ -711,8 +720,7 @@ def _param_moves(program):
 
 
 def _pipeline_layout(name, program, n_micro, micro_size):
-    _uses_shard_map(name, program, "this task asks for a pipeline written with jax.shard_map "
-                    "on mesh_stage")
+    _uses_shard_map(name, program, "a pipeline written with jax.shard_map on mesh_stage")
     _operand_spec(name, program, (N_LAYERS, WIDTH, WIDTH), "W_stack", ("stage",),
                   "stage_params split over 'stage' (P('stage'))")
     _operand_spec(name, program, (N_LAYERS, WIDTH), "b_stack", ("stage",),
@@ -763,7 +771,7 @@ def _q5(ev):
     _array_out(call, out, ())
     value = float(out["value"])
     k = _ratio(value, ref_loss)
-    if k is not None and not math.isclose(k, 1.0, rel_tol=GRAD_RTOL):
+    if _is_factor(k):
         _fail(f"`{call}` is {value:.6g}, {k:.3g} times the loss {ref_loss:.6g}; expected the "
               "mean over all examples of all microbatches of the squared error summed over "
               "the 24 outputs.")
@@ -773,10 +781,13 @@ def _q5(ev):
     for leaf, exp, what in zip(leaves, ref_grads, ("W_stack", "b_stack")):
         _close(f"{grad_call} for {what}", leaf["value"], exp,
                "the gradient of the sequential model's loss", rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    program = _program_of("pipeline_loss", fresh)
+    _uses_shard_map("pipeline_loss", program, "a pipeline written with jax.shard_map on "
+                    "mesh_stage")
+    for leaf, what in zip(leaves, ("W_stack", "b_stack")):
         _on_mesh_as(f"{grad_call} for {what}", leaf, ("stage",),
                     "the gradient split over 'stage' like stage_params (each device holding "
                     "only its stage's gradient)")
-    program = _program_of("jax.grad(pipeline_loss)", fresh)
     _pipeline_layout("pipeline_loss", program, M, mb)
     if not any(s["prim"] in COLLECTIVES["ppermute"] for s in _communication(program)):
         _fail("the gradient of `pipeline_loss` moves no activation with ppermute; expected the "
@@ -1004,8 +1015,8 @@ def _q8(ev):
     axis = (sev.get("axis_names") or ["expert"])[0]
     _on_mesh_as(call, out, (axis,), "split by rows like tokens (out_specs=P('expert'))")
     program = _program_of("moe_layer", fresh)
-    _uses_shard_map("moe_layer", program, "this task asks you to write the per-device program "
-                    "with jax.shard_map on mesh_expert")
+    _uses_shard_map("moe_layer", program, "the per-device program written with jax.shard_map "
+                    "on mesh_expert")
     for shape, what, spec, words in (
             ((T, D_MODEL), "tokens", ("expert",), "tokens split by rows over 'expert'"),
             ((D_MODEL, N_EXPERTS), "router_weights", (), "router_weights replicated (P())"),
