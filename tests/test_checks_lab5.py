@@ -179,7 +179,7 @@ def bubble_evidence(bubble, needed):
             "fresh": {"bubble": [[L, M, form.evidence(bubble(L, M))] for L, M in
                                  ((8, 1), (8, 8), (4, 100), (1, 3))],
                       "needed": [[L, b, form.evidence(needed(L, b))] for L, b in
-                                 ((8, 0.12), (4, 0.9), (16, 0.33))]}}  # no ties (the probe avoids them)
+                                 ((8, 0.12), (4, 0.9), (16, 0.33))]}}  # no ties, as in the probe
 
 
 def right_bubble(L, M):
@@ -197,8 +197,10 @@ def test_q6_verdict_on_hand_built_evidence():
     lab5.verdict("q6_bubble", bubble_evidence(right_bubble, right_needed))
     with pytest.raises(AssertionError, match="idle time over the busy time"):
         lab5.verdict("q6_bubble", bubble_evidence(lambda L, M: (L - 1) / M, right_needed))
-    with pytest.raises(AssertionError, match=r"`microbatches_needed\(8, 0.12\)` is 51; expected 52"):
-        lab5.verdict("q6_bubble", bubble_evidence(right_bubble, lambda L, b: right_needed(L, b) - 1))
+    one_short = bubble_evidence(right_bubble, lambda L, b: right_needed(L, b) - 1)
+    with pytest.raises(AssertionError,
+                       match=r"`microbatches_needed\(8, 0.12\)` is 51; expected 52"):
+        lab5.verdict("q6_bubble", one_short)
     with pytest.raises(AssertionError, match="expected an int"):
         lab5.verdict("q6_bubble", bubble_evidence(right_bubble,
                                                   lambda L, b: float(right_needed(L, b))))
