@@ -510,7 +510,8 @@ def test_q3_stage_params(mesh_stage, stage_params):
 # %%
 if answered(stage_params):
     for name, stacked in zip(("W_stack", "b_stack"), stage_params):
-        print(name, jax.typeof(stacked), "one device holds", stacked.addressable_shards[0].data.shape)
+        print(name, jax.typeof(stacked), "one device holds",
+              stacked.addressable_shards[0].data.shape)
 
 # %% [markdown]
 # ### Microbatches and the schedule

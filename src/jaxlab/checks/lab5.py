@@ -242,6 +242,18 @@ def _ratio(actual, expected):
     return None
 
 
+def _loss_value(call, out, ref_loss, factor_words, what):
+    """A scalar loss equal to ``ref_loss``; a whole factor off (a sum taken for a mean, or the
+    reverse) is named with ``factor_words``."""
+    _array_out(call, out, ())
+    value = float(out["value"])
+    k = _ratio(value, ref_loss)
+    if _is_factor(k):
+        _fail(f"`{call}` is {value:.6g}, {k:.3g} times the loss {ref_loss:.6g}; expected "
+              f"{factor_words}.")
+    _close(call, value, ref_loss, what, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
 def _fresh(name, ev, call):
     """The probe's record of calling the student's function; fails if it could not run."""
     form.expect_callable(name, ev[name])
@@ -545,16 +557,10 @@ def _q2(ev):
     fresh = _fresh("loss_2d", ev, "loss_2d(params, batch)")
     ref_loss, ref_grads = _mlp_loss_and_grad(fresh["params"], fresh["batch"])
     call = f"loss_2d(params, batch) on new data ({FRESH_MLP_BATCH} examples)"
-    out = fresh["output"]
-    _array_out(call, out, ())
-    value = float(out["value"])
-    k = _ratio(value, ref_loss)
-    if _is_factor(k):
-        _fail(f"`{call}` is {value:.6g}, {k:.3g} times the loss {ref_loss:.6g}. Expected the "
-              "mean over 'data' of the devices' mean losses (jax.lax.pmean, or psum divided by "
-              "the size of 'data'), after one psum over 'model' of the output block.")
-    _close(call, value, ref_loss, "mlp_loss(params, batch) for new params and batch",
-           rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    _loss_value(call, fresh["output"], ref_loss,
+                "the mean over 'data' of the devices' mean losses (jax.lax.pmean, or psum "
+                "divided by the size of 'data'), after one psum over 'model' of the output "
+                "block", "mlp_loss(params, batch) for new params and batch")
     grad_call = "the gradient of `loss_2d` (jax.grad)"
     leaves = _arrays(grad_call, fresh["grad"], 4, "a tuple of four gradients like `params`")
     ratios = [_ratio(a["value"], e) for a, e in zip(leaves, ref_grads)]
@@ -767,15 +773,9 @@ def _q5(ev):
     M, mb = FRESH_MICRO
     call = f"pipeline_loss(stage_params, microbatches, targets) for {M} new microbatches of {mb}"
     ref_loss, ref_grads = _pipeline_loss_and_grad(fresh["params"], fresh["x"], fresh["y"])
-    out = fresh["output"]
-    _array_out(call, out, ())
-    value = float(out["value"])
-    k = _ratio(value, ref_loss)
-    if _is_factor(k):
-        _fail(f"`{call}` is {value:.6g}, {k:.3g} times the loss {ref_loss:.6g}; expected the "
-              "mean over all examples of all microbatches of the squared error summed over "
-              "the 24 outputs.")
-    _close(call, value, ref_loss, "the sequential model's loss", rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    _loss_value(call, fresh["output"], ref_loss,
+                "the mean over all examples of all microbatches of the squared error summed "
+                "over the 24 outputs", "the sequential model's loss")
     grad_call = "the gradient of `pipeline_loss` (jax.grad)"
     leaves = _arrays(grad_call, fresh["grad"], 2, "a tuple of two gradients like `stage_params`")
     for leaf, exp, what in zip(leaves, ref_grads, ("W_stack", "b_stack")):
