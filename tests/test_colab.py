@@ -94,6 +94,11 @@ WELL_FORMED_WRONG = {
     "lab4-shard-map": ("q2_global_sum", {"q2_global_sum"},
                        'global_sum = jax.shard_map(lambda b: lax.pmean(jnp.sum(b), "i"), '
                        'mesh=mesh, in_specs=P("i"), out_specs=P())\n'),
+    "lab5-scaling": ("q6_bubble", {"q6_bubble"},
+                     "def bubble_fraction(n_stages, n_micro):\n"
+                     "    return (n_stages - 1) / n_micro\n\n\n"
+                     "def microbatches_needed(n_stages, max_bubble):\n"
+                     "    return int((n_stages - 1) * (1 - max_bubble) / max_bubble) + 1\n"),
 }
 
 
