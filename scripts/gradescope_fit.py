@@ -49,7 +49,7 @@ import zipfile
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LABS = ("lab3-parallelism", "lab4-shard-map")
+LABS = ("lab3-parallelism", "lab4-shard-map", "lab5-scaling")
 CGROUP_V1 = pathlib.Path("/sys/fs/cgroup")
 MEMORY_DEFAULT = 768 * 2**20  # Gradescope's default container
 CPU_DEFAULT = 0.5
