@@ -187,7 +187,7 @@ def launch(script, *args, num_processes=2, timeout=PD_TIMEOUT):
                                *map(str, args)], stdout=log, stderr=subprocess.STDOUT, env=env)
              for i, log in enumerate(logs)]
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    while None in [p.poll() for p in procs] and time.monotonic() < deadline:
         if any(p.returncode for p in procs):  # the others may wait for it for ever
             deadline = min(deadline, time.monotonic() + PD_GRACE)
         time.sleep(0.05)

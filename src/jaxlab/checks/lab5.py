@@ -255,7 +255,8 @@ def _pd_run_processes(argvs, cwd, logs, timeout=PD_TIMEOUT):
                     stdin=_pd_subprocess.DEVNULL, start_new_session=True))
         start = _pd_time.monotonic()
         deadline, first_failed = start + timeout, None
-        while any(p.poll() is None for p in procs) and _pd_time.monotonic() < deadline:
+        # poll every process each round (any() would stop at the first one still running)
+        while None in [p.poll() for p in procs] and _pd_time.monotonic() < deadline:
             if first_failed is None:
                 failed = [i for i, p in enumerate(procs) if p.returncode]
                 if failed:
@@ -309,7 +310,7 @@ def _pd_rerun(script):
                   str(PD_PROCESSES), str(i), paths["data.npz"], paths["params.npz"]]
                  for i in range(PD_PROCESSES)]
         fresh = {"x": x, "y": y, "init": init, "folder": folder,
-                 **_pd_run_processes(argvs, folder, logs),
+                 "timeout": PD_TIMEOUT, **_pd_run_processes(argvs, folder, logs, PD_TIMEOUT),
                  "logs": [_pd_read_log(log) for log in logs], "records": []}
         for path in records:
             try:
@@ -369,11 +370,11 @@ def _pd_ran(fresh):
                 for log in fresh["logs"]]
         printed = "; ".join(f"process {i} last printed {text[:160]!r}" if text
                             else f"process {i} printed nothing" for i, text in enumerate(last))
-        _pd_fail(f"`train_script` was still running after {PD_TIMEOUT:g} s on new data ({rows} "
-                 f"rows) and was stopped ({printed}); expected it to train {PD_STEPS} steps and "
-                 "exit within seconds. A process that waits for ever is usually waiting for the "
-                 "other one: both must call jax.distributed.initialize with the same coordinator "
-                 "address and num_processes=2, each with its own process_id.")
+        _pd_fail(f"`train_script` was still running after {fresh['timeout']:g} s on new data "
+                 f"({rows} rows) and was stopped ({printed}); expected it to train {PD_STEPS} "
+                 "steps and exit within seconds. A process that waits for ever is usually "
+                 "waiting for the other one: both must call jax.distributed.initialize with the "
+                 "same coordinator address and num_processes=2, each with its own process_id.")
     i = fresh["first_failed"]
     if i is not None:
         code = fresh["returncodes"][i]
@@ -433,7 +434,6 @@ def _pd_rows_of(call, column):
 def _pd_global_data(records, fresh):
     n = len(fresh["x"])
     share = n // PD_PROCESSES
-    taken = {}
     for label, column in (("x", fresh["x"]), ("y", fresh["y"])):
         rows_by_process = {}
         for i, record in enumerate(records):
@@ -445,6 +445,12 @@ def _pd_global_data(records, fresh):
                          f"read its own {share} rows of {label} from the data file and pass them "
                          "to it, to make the global array of all rows.")
             call, rows = calls[-1]
+            if call["processes"] != list(range(PD_PROCESSES)) or \
+                    call["devices"] != PD_PROCESSES * PD_LOCAL_DEVICES:
+                _pd_fail(f"`train_script`: the global `{label}` of process {i} lies on "
+                         f"{call['devices']} device(s) of process(es) {call['processes']}; "
+                         "expected one mesh of all 8 devices of both processes (jax.devices(), "
+                         "not jax.local_devices()).")
             if len(rows) != share:
                 _pd_fail(f"`train_script`: process {i} passed {len(rows)} rows of `{label}` to "
                          f"jax.make_array_from_process_local_data; expected only its own share: "
@@ -455,12 +461,6 @@ def _pd_global_data(records, fresh):
                 _pd_fail(f"`train_script`: the global `{label}` that process {i} made has shape "
                          f"{tuple(call['global_shape'])}; expected ({n}, 1), all rows of both "
                          "processes.")
-            if call["processes"] != list(range(PD_PROCESSES)) or \
-                    call["devices"] != PD_PROCESSES * PD_LOCAL_DEVICES:
-                _pd_fail(f"`train_script`: the global `{label}` of process {i} lies on "
-                         f"{call['devices']} device(s) of process(es) {call['processes']}; "
-                         "expected one mesh of all 8 devices of both processes (jax.devices(), "
-                         "not jax.local_devices()).")
             if call["shard_shape"] != [n // (PD_PROCESSES * PD_LOCAL_DEVICES), 1]:
                 _pd_fail(f"`train_script`: the global `{label}` is split into blocks of shape "
                          f"{tuple(call['shard_shape'])}; expected its rows split over the 8 "
@@ -473,11 +473,9 @@ def _pd_global_data(records, fresh):
                      "to jax.make_array_from_process_local_data (some rows twice, others never); "
                      "expected each process to pass its own share, so that together they pass "
                      f"every row once: process p the {share} rows from row p*{share} on.")
-        taken[label] = rows_by_process
-    return taken
 
 
-def _pd_writes(records, fresh):
+def _pd_writes(records):
     for record in records:
         index = (record.get("at_exit") or record["local_data"][-1])["process_index"]
         if index != 0 and record["writes"]:
@@ -533,8 +531,8 @@ def _pd_trained(found, fresh):
                  f"{what}.")
     worst = max(float(_pd_np.max(_pd_np.abs(_pd_np.asarray(f, _pd_np.float64) - e)))
                 for pair, ref in zip(found, expected) for f, e in zip(pair, ref))
-    _pd_fail(f"`train_script` saved the wrong parameters: they differ by up to {worst:.3g} "
-             f"(tolerance: rtol={PD_TRAIN_RTOL:g}, atol={PD_TRAIN_ATOL:g}) from {what}.")
+    _pd_fail(f"`train_script` saved the wrong parameters: expected {what}, but they differ "
+             f"by up to {worst:.3g} (tolerance: rtol={PD_TRAIN_RTOL:g}, atol={PD_TRAIN_ATOL:g}).")
 
 
 def _pd_q9(ev):
@@ -550,7 +548,7 @@ def _pd_q9(ev):
     records = fresh["records"]
     _pd_joined(records)
     _pd_global_data(records, fresh)
-    _pd_writes(records, fresh)
+    _pd_writes(records)
     _pd_trained(_pd_saved(fresh), fresh)
 
 
