@@ -151,10 +151,15 @@ def answered(*answers):
 # process fails, or both are not done within `timeout` seconds, it stops them and raises an
 # error showing the end of each process's output. The processes run on CPU devices only, even
 # where this notebook has a GPU.
+#
+# If every process fails with `enforce fail at …/gloo/transport/tcp/device.cc`, gloo found no
+# network address for this machine's host name (`socket.gethostname()`), as on some laptops:
+# add the line `127.0.0.1 NAME` (NAME: that host name) to `/etc/hosts`, or work on Colab.
 
 # %%
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -163,6 +168,10 @@ import time
 
 PD_TIMEOUT = 120  # seconds; a launch of this part's scripts takes about 5 s on one core
 PD_GRACE = 5  # seconds the other processes get to finish once one has failed
+# gloo reports every connection it makes, from several threads at once (so its messages can be
+# cut in two by other lines); that says nothing here
+PD_GLOO_NOISE = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?"
+                           r"|Expected number of connected peer ranks is : \d+")
 
 
 def pd_free_port():
@@ -176,12 +185,18 @@ def pd_tail(text, lines=15):
     return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
 
+def pd_quiet(text):
+    """`text` without gloo's connection messages."""
+    lines = [(PD_GLOO_NOISE.sub("", line), line) for line in text.splitlines(True)]
+    return "".join(kept for kept, line in lines if kept.strip() or not line.strip())
+
+
 def launch(script, *args, num_processes=2, timeout=PD_TIMEOUT):
     """Run `python SCRIPT COORDINATOR NUM_PROCESSES PROCESS_ID *ARGS` for every process id at once
     and wait for all of them; return what each process printed (a list, by process id)."""
     coordinator = f"127.0.0.1:{pd_free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FORCE_COLOR")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHON_COLORS="0", NO_COLOR="1")
     logs = [tempfile.TemporaryFile("w+") for _ in range(num_processes)]
     procs = [subprocess.Popen([sys.executable, script, coordinator, str(num_processes), str(i),
                                *map(str, args)], stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -199,8 +214,7 @@ def launch(script, *args, num_processes=2, timeout=PD_TIMEOUT):
     outputs = []
     for log in logs:
         log.seek(0)
-        # gloo reports every connection it makes; that says nothing here
-        outputs.append("".join(line for line in log if not line.startswith("[Gloo]")))
+        outputs.append(pd_quiet(log.read()))
         log.close()
     if any(stopped) or any(p.returncode for p in procs):
         report = []

@@ -56,6 +56,10 @@ PD_LOG_TAIL = 4000  # characters of each process's output kept as evidence
 PD_SCRIPT = "pd_train.py"
 PD_MODEL = "pd_model.py"
 PD_BOOT = "pd_boot.py"
+# gloo's report of every connection it makes, written by several threads at once (so other lines
+# can cut it in two): not the student's output
+PD_GLOO_NOISE = _pd_re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?"
+                               r"|Expected number of connected peer ranks is : \d+")
 
 # pd_model.py exactly as the notebook writes it (a test compares the two)
 PD_MODEL_SOURCE = '''\
@@ -237,8 +241,9 @@ def _pd_free_port():
 def _pd_env():
     """The kernel's environment for the processes: CPU devices only, no device count forced
     from outside (the script sets its own), output unbuffered."""
-    env = {k: v for k, v in _pd_os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in _pd_os.environ.items() if k not in ("XLA_FLAGS", "FORCE_COLOR")}
+    # plain tracebacks: Python 3.13 colours them where a kernel's environment asks for colour
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHON_COLORS="0", NO_COLOR="1")
     env.setdefault("PJRT_NPROC", "16")
     return env
 
@@ -286,8 +291,9 @@ def _pd_read_log(path):
         text = open(path, errors="replace").read()
     except OSError:
         return ""
-    text = "".join(line for line in text.splitlines(True) if not line.startswith("[Gloo]"))
-    return text[-PD_LOG_TAIL:]
+    text = _pd_re.sub(r"\x1b\[[0-9;]*m", "", text)
+    lines = [(PD_GLOO_NOISE.sub("", line), line) for line in text.splitlines(True)]
+    return "".join(kept for kept, line in lines if kept.strip() or not line.strip())[-PD_LOG_TAIL:]
 
 
 def _pd_rerun(script):
