@@ -9,9 +9,10 @@ import sys
 import nbformat
 import pandas as pd
 import pytest
+import yaml
 
 import colab
-from labs import LABS, release_paths
+from labs import LABS, ROOT, release_paths
 from jaxlab import release
 from jaxlab.release.standalone import COLAB_SUBMIT
 
@@ -94,6 +95,11 @@ WELL_FORMED_WRONG = {
     "lab4-shard-map": ("q2_global_sum", {"q2_global_sum"},
                        'global_sum = jax.shard_map(lambda b: lax.pmean(jnp.sum(b), "i"), '
                        'mesh=mesh, in_specs=P("i"), out_specs=P())\n'),
+    # a training script whose process 1 writes the output file too
+    "lab5-scaling": ("q9_multi_process", {"q9_multi_process"},
+                     next(a["code"] for a in yaml.safe_load(
+                         (ROOT / "tests/answers/lab5-scaling/q9_multi_process.yaml").read_text()
+                     )["wrong"] if a["name"] == "every_process_saves")),
 }
 
 
