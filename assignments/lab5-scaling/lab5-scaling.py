@@ -197,6 +197,7 @@ def launch(script, *args, num_processes=2, timeout=PD_TIMEOUT):
     coordinator = f"127.0.0.1:{pd_free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FORCE_COLOR")}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHON_COLORS="0", NO_COLOR="1")
+    env.setdefault("PJRT_NPROC", "16")  # as in the setup cell: the processes' collectives need it
     logs = [tempfile.TemporaryFile("w+") for _ in range(num_processes)]
     procs = [subprocess.Popen([sys.executable, script, coordinator, str(num_processes), str(i),
                                *map(str, args)], stdout=log, stderr=subprocess.STDOUT, env=env)
