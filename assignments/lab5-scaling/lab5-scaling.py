@@ -138,7 +138,8 @@ def answered(*answers):
 # **On one machine.** We pretend to be two hosts with 4 devices each: two processes on this
 # machine, each with 4 simulated CPU devices. Before `jax.distributed.initialize`, each sets
 # `jax.config.update("jax_num_cpu_devices", 4)` and picks gloo for the collectives between
-# processes: `jax.config.update("jax_cpu_collectives_implementation", "gloo")`.
+# processes: `jax.config.update("jax_cpu_collectives_implementation", "gloo")` (JAX 0.8 and
+# later choose gloo by themselves, JAX 0.5 chose none: set it anyway).
 # `jax.distributed.initialize(coordinator_address, num_processes, process_id)` takes the address
 # (`host:port`) where process 0 runs a small *coordination service* that the others contact to
 # find each other, how many processes take part, and which one this is.
