@@ -267,8 +267,8 @@ print(f"process {me}: column sums of all 8 rows: {np.asarray(total).tolist()}")
 print(f"process {me}: x gathered:", multihost_utils.process_allgather(x, tiled=True).tolist())
 
 # %%
-for output in launch("pd_hello.py"):
-    print(output)
+for pd_output in launch("pd_hello.py"):
+    print(pd_output)
 
 # %% [markdown]
 # The column sums are replicated (every process holds the whole result), so `np.asarray` reads
@@ -337,9 +337,9 @@ pd_rng = np.random.default_rng(0)
 pd_x = pd_rng.uniform(0.0, 2.0, size=(256, 1)).astype(np.float32)
 pd_y = (np.sin(6 * pd_x) - 0.5 * pd_x**2 + 0.1 * pd_rng.normal(size=pd_x.shape)).astype(np.float32)
 pd_init = {}
-for i, (n_in, n_out) in enumerate(zip(pd_model.LAYER_SIZES[:-1], pd_model.LAYER_SIZES[1:])):
-    pd_init[f"W{i}"] = (0.1 * pd_rng.normal(size=(n_in, n_out))).astype(np.float32)
-    pd_init[f"b{i}"] = (0.1 * pd_rng.normal(size=(n_out,))).astype(np.float32)
+for pd_i, (pd_in, pd_out) in enumerate(zip(pd_model.LAYER_SIZES[:-1], pd_model.LAYER_SIZES[1:])):
+    pd_init[f"W{pd_i}"] = (0.1 * pd_rng.normal(size=(pd_in, pd_out))).astype(np.float32)
+    pd_init[f"b{pd_i}"] = (0.1 * pd_rng.normal(size=(pd_out,))).astype(np.float32)
 np.savez("pd_data.npz", x=pd_x, y=pd_y, **pd_init)
 
 
@@ -351,10 +351,10 @@ def pd_train_step(params, x, y):
 
 
 pd_params_single = pd_model.load_params("pd_data.npz")
-for step in range(pd_model.STEPS):
+for pd_step in range(pd_model.STEPS):
     pd_params_single, pd_loss = pd_train_step(pd_params_single, pd_x, pd_y)
-    if step % 5 == 0:
-        print(f"step {step:2d}, loss {float(pd_loss):.4f}")
+    if pd_step % 5 == 0:
+        print(f"step {pd_step:2d}, loss {float(pd_loss):.4f}")
 
 # %% [markdown]
 # **Why only process 0 saves.** After each data-parallel step every process holds the same
