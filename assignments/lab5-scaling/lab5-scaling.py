@@ -403,7 +403,7 @@ for pd_step in range(pd_model.STEPS):
 # (the loss, say) from process 0 to follow the training.
 #
 # Tip: write the program in a text editor or in a cell first, then paste it between the quotes of
-# `r"""..."""`.
+# a raw string, `r'''...'''` (raw: a backslash in the program stays a backslash).
 
 # %% [raw]
 # # BEGIN SOLUTION
