@@ -9,9 +9,10 @@ import sys
 import nbformat
 import pandas as pd
 import pytest
+import yaml
 
 import colab
-from labs import LABS, release_paths
+from labs import LABS, ROOT, release_paths
 from jaxlab import release
 from jaxlab.release.standalone import COLAB_SUBMIT
 
@@ -94,11 +95,11 @@ WELL_FORMED_WRONG = {
     "lab4-shard-map": ("q2_global_sum", {"q2_global_sum"},
                        'global_sum = jax.shard_map(lambda b: lax.pmean(jnp.sum(b), "i"), '
                        'mesh=mesh, in_specs=P("i"), out_specs=P())\n'),
-    "lab5-scaling": ("q6_bubble", {"q6_bubble"},
-                     "def bubble_fraction(n_stages, n_micro):\n"
-                     "    return (n_stages - 1) / n_micro\n\n\n"
-                     "def microbatches_needed(n_stages, max_bubble):\n"
-                     "    return int((n_stages - 1) * (1 - max_bubble) / max_bubble) + 1\n"),
+    # a training script whose process 1 writes the output file too
+    "lab5-scaling": ("q9_multi_process", {"q9_multi_process"},
+                     next(a["code"] for a in yaml.safe_load(
+                         (ROOT / "tests/answers/lab5-scaling/q9_multi_process.yaml").read_text()
+                     )["wrong"] if a["name"] == "every_process_saves")),
 }
 
 

@@ -186,3 +186,21 @@ def test_the_warm_up_notebook_is_the_solution_shipped_beside_the_zip(tmp_path, m
     assert first.parent == tmp_path / "c" / "compile-cache"
     zip_path.write_bytes(b"another zip")
     assert warmup.folder_for(zip_path) != first  # a rebuilt autograder warms again
+
+
+def test_the_sandbox_host_name_resolves_to_its_own_loopback(tmp_path):
+    """gloo (JAX's collectives between processes on CPU) listens on the address of the host
+    name; inside the sandbox there is no DNS, so its own /etc/hosts must name it."""
+    import subprocess
+    import sys
+
+    from jaxlab.grade import sandbox
+
+    reason = sandbox.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    folder = sandbox.KernelFolder.create(tmp_path)
+    code = "import socket; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))"
+    run = subprocess.run([*sandbox.bwrap_argv(folder), sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout.split() == [sandbox.SANDBOX_HOSTNAME, "127.0.0.1"], run.stderr

@@ -27,6 +27,13 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-")
 MASKED_DIRS = ("/etc/ssh", "/etc/ssl/private")
 SANDBOX_UID = 1000
+SANDBOX_HOSTNAME = "sandbox"
+# The sandbox's /etc/hosts: its host name resolves to its own loopback. gloo, which carries
+# JAX's collectives between processes on CPU (jax.distributed), looks the host name up for the
+# address it listens on; the grader's /etc/hosts does not know "sandbox" and there is no DNS
+# inside, so every multi-process JAX program failed there ("enforce fail at
+# gloo/transport/tcp/device.cc:99 ... -3", EAI_AGAIN).
+HOSTS = f"127.0.0.1\tlocalhost {SANDBOX_HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 
 class Mode(str, enum.Enum):
@@ -147,6 +154,7 @@ class KernelFolder:
             _mount_tmpfs(folder.root, disk_bytes)
         for sub in (folder.work, folder.home, folder.tmp, folder.ipc, folder.reveal):
             sub.mkdir()
+        folder.hosts.write_text(HOSTS)
         if disk_bytes:
             _mount_tmpfs(folder.reveal, REVEAL_BYTES)
         return folder
@@ -170,6 +178,7 @@ class KernelFolder:
     tmp = property(lambda self: self.root / "tmp")  # mounted at /tmp inside
     ipc = property(lambda self: self.root / "ipc")  # jupyter's ipc sockets, connection file
     reveal = property(lambda self: self.root / "reveal")  # empty until the student's cells ran
+    hosts = property(lambda self: self.root / "hosts")  # /etc/hosts inside
 
 
 def python_dirs():
@@ -194,7 +203,8 @@ def bwrap_argv(folder, *, cache_dir=None, cache_writable=False, cpu=None, nproc=
     """
     argv = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
     argv += ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+             "--hostname", SANDBOX_HOSTNAME,
              "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm", "--proc", "/proc",
              # /tmp before everything: binds below it (the Python environment or the kernel's
              # folder may lie under /tmp, as in a CI checkout there) are made on top of it
@@ -206,6 +216,8 @@ def bwrap_argv(folder, *, cache_dir=None, cache_writable=False, cpu=None, nproc=
             argv += ["--ro-bind", d, d]
     argv += [x for f in MASKED_FILES if os.path.exists(f) for x in ("--ro-bind", "/dev/null", f)]
     argv += [x for d in MASKED_DIRS if os.path.isdir(d) for x in ("--tmpfs", d)]
+    if folder.hosts.exists() and os.path.exists("/etc/hosts"):
+        argv += ["--ro-bind", str(folder.hosts), "/etc/hosts"]
     for d in python_dirs():
         argv += ["--ro-bind", str(d), str(d)]
     for d in hidden_package_dirs():

@@ -1,0 +1,241 @@
+"""Lab 5 Part D (q9_multi_process): the checks run a student's training script again as two
+processes joined by jax.distributed, and judge what it did.
+
+Most wrong scripts are graded through the answer corpus (tests/answers/lab5-scaling); this file
+checks what the corpus cannot: that the trusted reference is the lab's recipe, that the re-run
+stops hanging or failing processes, that it works inside the grading sandbox on one core, and
+that the notebook's own `launch` reports what went wrong.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import nbformat
+import numpy as np
+import psutil
+import pytest
+import yaml
+
+from jaxlab.checks import lab5
+from labs import ROOT, release_paths
+
+LAB = "lab5-scaling"
+CORPUS = yaml.safe_load((ROOT / "tests" / "answers" / LAB / "q9_multi_process.yaml").read_text())
+
+
+def corpus_script(kind, name):
+    """The `train_script` of one answer of the corpus."""
+    entry = next(a for a in CORPUS[kind] if a["name"] == name)
+    scope = {}
+    exec(entry["code"], scope)
+    return scope["train_script"]
+
+
+def verdict_message(ev):
+    try:
+        lab5.verdict("q9_multi_process", ev)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def master_cells():
+    return [c.source for c in nbformat.read(release_paths(LAB)["master"], as_version=4).cells
+            if c.cell_type == "code"]
+
+
+def leftover_processes():
+    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+
+
+# --------------------------------------------------------------------------- the reference
+def test_the_checks_write_the_model_module_the_notebook_writes():
+    cell = next(s for s in master_cells() if s.startswith("%%writefile pd_model.py\n"))
+    assert cell.split("\n", 1)[1].strip() == lab5.PD_MODEL_SOURCE.strip()
+
+
+def test_reference_is_single_process_training_of_the_lab_recipe():
+    """float64 NumPy backpropagation = jax.grad of pd_model.loss, trained as pd_train_step
+    trains (float32 on one device), within the tolerance; the nearest wrong trainings are far."""
+    import jax
+
+    model = types.ModuleType("pd_model")
+    exec(lab5.PD_MODEL_SOURCE, model.__dict__)
+    x, y, init = lab5._pd_fresh_data(np.random.default_rng(7))
+    params = [(init[f"W{i}"], init[f"b{i}"]) for i in range(3)]
+    assert [p[0].shape[1] for p in params] == model.LAYER_SIZES[1:]
+    assert (model.STEPS, model.STEP_SIZE) == (lab5.PD_STEPS, lab5.PD_STEP_SIZE)
+
+    @jax.jit
+    def step(params, x, y):
+        grads = jax.grad(model.loss)(params, x, y)
+        return [(W - model.STEP_SIZE * dW, b - model.STEP_SIZE * db)
+                for (W, b), (dW, db) in zip(params, grads)]
+
+    trained = params
+    for _ in range(model.STEPS):
+        trained = step(trained, x, y)
+    expected = lab5._pd_reference(params, x, y)
+    assert lab5._pd_close_to([tuple(np.asarray(a) for a in p) for p in trained], expected)
+    share = len(x) // 2
+    for wrong in (lab5._pd_reference(params, x[:share], y[:share]),
+                  lab5._pd_reference(params, x[share:], y[share:]),
+                  lab5._pd_reference(params, x, y, step_size=8 * lab5.PD_STEP_SIZE),
+                  lab5._pd_reference(params, x, y, steps=lab5.PD_STEPS - 1)):
+        gap = max(np.abs(a - b).max() for p, q in zip(wrong, expected) for a, b in zip(p, q))
+        assert gap > 100 * lab5.PD_TRAIN_ATOL
+
+
+# --------------------------------------------------------------------------- the re-run
+def test_a_correct_script_passes_and_the_records_show_what_each_process_did():
+    ev = lab5.probe("q9_multi_process", {"train_script": corpus_script("correct", "lab_recipe")})
+    fresh = ev["fresh"]
+    assert verdict_message(ev) is None
+    assert fresh["returncodes"] == [0, 0] and not fresh["timed_out"]
+    n = lab5.PD_FRESH_ROWS
+    for i, record in enumerate(fresh["records"]):
+        assert len(record["initialize"]) == 1
+        assert record["at_exit"] == {"process_index": i, "process_count": 2, "device_count": 8,
+                                     "local_device_count": 4}
+        x_call, y_call = record["local_data"]
+        assert x_call["shape"] == [n // 2, 1] and x_call["global_shape"] == [n, 1]
+        assert x_call["values"] == fresh["x"][i * n // 2:(i + 1) * n // 2, 0].tolist()
+        assert x_call["processes"] == [0, 1] and x_call["shard_shape"] == [n // 8, 1]
+    assert fresh["records"][0]["writes"] and not fresh["records"][1]["writes"]
+    assert not leftover_processes()
+
+
+def test_a_script_that_hangs_is_stopped_at_the_timeout_with_both_processes(monkeypatch):
+    monkeypatch.setattr(lab5, "PD_TIMEOUT", 4)
+    script = "import time\nprint('waiting', flush=True)\ntime.sleep(600)\n"
+    start = time.monotonic()
+    ev = lab5.probe("q9_multi_process", {"train_script": script})
+    assert time.monotonic() - start < 30
+    assert ev["fresh"]["timed_out"] and ev["fresh"]["still_running"] == [0, 1]
+    message = verdict_message(ev)
+    assert message.startswith("`train_script` was still running after 4 s on new data")
+    assert "process 0 last printed 'waiting'" in message
+    assert not leftover_processes()
+
+
+def test_when_one_process_fails_the_other_is_stopped_and_the_error_named():
+    script = textwrap.dedent("""\
+        import sys, time
+        if sys.argv[3] == "1":
+            raise ValueError("no data for this process")
+        time.sleep(600)  # process 0 would wait for ever for process 1
+        """)
+    start = time.monotonic()
+    ev = lab5.probe("q9_multi_process", {"train_script": script})
+    assert time.monotonic() - start < lab5.PD_GRACE + 20
+    assert ev["fresh"]["first_failed"] == 1 and not ev["fresh"]["timed_out"]
+    message = verdict_message(ev)
+    assert "process 1 (started as `python pd_train.py COORDINATOR 2 1 DATA_FILE OUT_FILE`) " \
+           "stopped with `ValueError: no data for this process` (line 3 of your script)" in message
+    assert "Traceback" not in message and 'File "' not in message
+    assert not leftover_processes()
+
+
+def test_a_process_that_leaves_without_python_exiting_is_reported():
+    script = "import os\nos._exit(0)\n"
+    message = verdict_message(lab5.probe("q9_multi_process", {"train_script": script}))
+    assert message.startswith("`train_script`: process 0 ended without exiting normally")
+
+
+def test_the_error_of_a_chained_traceback_and_its_line_in_the_script():
+    folder = "/tmp/jaxlab-q9-abc"
+    log = textwrap.dedent(f"""\
+        step 0
+        Traceback (most recent call last):
+          File "{folder}/pd_boot.py", line 80, in <module>
+            runpy.run_path(script, run_name="__main__")
+          File "{folder}/pd_train.py", line 17, in <module>
+            x = jax.make_array_from_process_local_data(rows, x_local)
+        jax.errors.SimplifiedTraceback: For simplicity, JAX has removed its internal frames.
+
+        The above exception was the direct cause of the following exception:
+
+        Traceback (most recent call last):
+          File "{folder}/pd_train.py", line 17, in <module>
+            x = jax.make_array_from_process_local_data(rows, x_local)
+        ValueError: Unable to compute global shape
+        """)
+    assert lab5._pd_error_of(log, folder) == ("`ValueError: Unable to compute global shape`", 17)
+    assert lab5._pd_error_of("F0000 check failed: gloo\n", folder) == \
+        ("`F0000 check failed: gloo`", None)
+
+
+def test_gloo_between_two_processes_works_inside_the_grading_sandbox_on_one_core(tmp_path):
+    """jaxlab grade's bubblewrap sandbox: no network but its own loopback, its own host name,
+    one core. The checks run there as the flat modules of the autograder zip."""
+    from jaxlab.grade import sandbox
+
+    reason = sandbox.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    folder = sandbox.KernelFolder.create(tmp_path)
+    shutil.copy(lab5.__file__, folder.work / "jaxlab_lab5.py")
+    shutil.copy(lab5.form.__file__, folder.work / "jaxlab_form.py")
+    (folder.work / "script.py").write_text(corpus_script("correct", "lab_recipe"))
+    check = ("import jaxlab_lab5, pathlib\n"
+             "ev = jaxlab_lab5.probe('q9_multi_process', "
+             "{'train_script': pathlib.Path('script.py').read_text()})\n"
+             "print(ev['fresh']['returncodes'], ev['fresh']['logs'][0][-300:])\n"
+             "jaxlab_lab5.verdict('q9_multi_process', ev)\nprint('passed')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    run = subprocess.run([*sandbox.bwrap_argv(folder, cpu=0), sys.executable, "-c", check],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.stdout.strip().endswith("passed"), run.stdout[-2000:] + run.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- the notebook
+@pytest.fixture()
+def notebook_launch(tmp_path, monkeypatch):
+    """The notebook's `launch`, defined by its own cell, in a folder of its own."""
+    monkeypatch.chdir(tmp_path)
+    cell = next(s for s in master_cells() if "def launch(" in s)
+    scope = {}
+    exec(cell, scope)
+    return scope
+
+
+def test_the_notebook_launch_returns_what_each_process_printed(notebook_launch, tmp_path):
+    (tmp_path / "hi.py").write_text(
+        "import sys\nprint('[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of "
+        "connected peer ranks is : 7')\nprint(sys.argv[1:])\n")
+    outputs = notebook_launch["launch"]("hi.py", "a", 7)
+    assert [o.splitlines()[-1].split(", ")[1:] for o in outputs] == \
+        [["'2'", "'0'", "'a'", "'7']"], ["'2'", "'1'", "'a'", "'7']"]]
+    assert all("Gloo" not in o and o.startswith("['127.0.0.1:") for o in outputs)
+
+
+def test_the_notebook_launch_reports_a_failure_and_stops_the_rest(notebook_launch, tmp_path):
+    (tmp_path / "bad.py").write_text(
+        "import sys, time\nif sys.argv[3] == '1':\n    raise KeyError('x')\ntime.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        notebook_launch["launch"]("bad.py")
+    assert time.monotonic() - start < notebook_launch["PD_GRACE"] + 20
+    text = str(info.value)
+    assert "did not all succeed" in text
+    assert "process 1: failed with exit code 1" in text and "KeyError: 'x'" in text
+    assert "process 0: stopped: still running" in text
+    assert not leftover_processes()
+
+
+def test_the_notebook_launch_stops_both_at_its_timeout(notebook_launch, tmp_path):
+    (tmp_path / "slow.py").write_text("import time\nprint('started', flush=True)\n"
+                                      "time.sleep(600)\n")
+    with pytest.raises(RuntimeError) as info:
+        notebook_launch["launch"]("slow.py", timeout=3)
+    text = str(info.value)
+    assert "were not all done after 3 s" in text and text.count("stopped: still running") == 2
+    assert "started" in text
+    assert not leftover_processes()
