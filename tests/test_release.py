@@ -310,3 +310,28 @@ def test_texts_agree_within_the_named_tolerance_only():
     assert not release.texts_agree("x = 1.0", f"x = {1 + 3 * tol}")
     assert not release.texts_agree("x = 1.0", "x = 1.0 and more")
     assert not release.texts_agree("shape (8, 4)", "shape (8, 5)")
+
+
+def test_a_broken_committed_release_gets_a_message_not_a_traceback(tmp_path):
+    """A merge conflict left in a committed student notebook: `release` and `release --check`
+    say which file and what to do (exit 1); a broken solution notebook is simply stale."""
+    import shutil
+    import subprocess
+    import sys
+
+    for part in ("assignments", "student", "solutions", "autograder"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    lab = LABS[0]
+    student = tmp_path / "student" / lab / f"{lab}.ipynb"
+    student.write_text("<<<<<<< HEAD\n" + student.read_text())
+    for extra in ([], ["--check"]):
+        proc = subprocess.run([sys.executable, "-m", "jaxlab", "release", *extra, "--root",
+                               str(tmp_path), lab], capture_output=True, text=True)
+        assert proc.returncode == 1
+        assert "Traceback" not in proc.stdout + proc.stderr
+        assert f"student/{lab}/{lab}.ipynb cannot be read" in proc.stdout
+        assert "--colab-url" in proc.stdout
+    shutil.copy(ROOT / "student" / lab / f"{lab}.ipynb", student)
+    solution = tmp_path / "solutions" / lab / f"{lab}.ipynb"
+    solution.write_text("<<<<<<< HEAD\n" + solution.read_text())
+    assert release.stale_files(root=tmp_path, name=lab) == [f"solutions/{lab}/{lab}.ipynb"]

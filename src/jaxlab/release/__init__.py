@@ -186,7 +186,16 @@ def write_stable_zip(src_zip, dest, extra=None):
 def committed_colab_url(root, name):
     """The badge BASE_URL of the committed student notebook of ``name``, or None."""
     path = pathlib.Path(root) / "student" / name / f"{name}.ipynb"
-    return colab_url_of(nbformat.read(path, as_version=4), path.name) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except (ValueError, OSError) as exc:  # NotJSONError is a ValueError: e.g. a merge conflict
+        raise ReleaseError(
+            f"student/{name}/{name}.ipynb cannot be read ({type(exc).__name__}), so its Colab "
+            "badge cannot be kept: rebuild with --colab-url BASE_URL (or --colab-url '' for "
+            "no badge)") from None
+    return colab_url_of(nb, path.name)
 
 
 def _resolve_colab_url(root, name, colab_url):
@@ -388,8 +397,8 @@ def build(*, root, name, colab_url=None, log=print):
         log(f"{name}: solution scores {total:g}/{total:g} on {len(scores)} questions")
         sol_dir = root / "solutions" / name
         committed = sol_dir / f"{name}.ipynb"
-        keep = committed.exists() and outputs_agree(nbformat.read(committed, as_version=4),
-                                                    solution)
+        keep = _readable(committed) and outputs_agree(nbformat.read(committed, as_version=4),
+                                                      solution)
         if keep:
             kept = workdir / "kept.ipynb"
             shutil.copy(committed, kept)
@@ -402,6 +411,15 @@ def build(*, root, name, colab_url=None, log=print):
         (root / "autograder").mkdir(exist_ok=True)
         shutil.copy(zip_path, root / "autograder" / f"{name}-autograder.zip")
     log(f"{name}: wrote student/{name}/, solutions/{name}/, autograder/{name}-autograder.zip")
+
+
+def _readable(path):
+    """Whether ``path`` is a notebook (not missing, not left broken by a merge conflict)."""
+    try:
+        nbformat.read(path, as_version=4)
+        return True
+    except (ValueError, OSError):
+        return False
 
 
 def _install(src, dest):
@@ -447,7 +465,7 @@ def stale_files(*, root, name, colab_url=None):
                     built.get(rel) != path.read_bytes()):
                 stale.append(f"solutions/{name}/{rel.as_posix()}")
         committed_solution = solution_dir / f"{name}.ipynb"
-        if not committed_solution.exists() or _sources(committed_solution) != [
+        if not _readable(committed_solution) or _sources(committed_solution) != [
                 (c.cell_type, c.source) for c in solution.cells]:
             stale.append(f"solutions/{name}/{name}.ipynb")
     return stale
