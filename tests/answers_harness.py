@@ -97,7 +97,8 @@ def load_answers(lab):
 
 
 # --------------------------------------------------------------------------- notebook analysis
-def _python(source):
+def python_of(source):
+    """A cell's source as Python (IPython magics such as %%writefile turned into calls)."""
     from IPython.core.inputtransformer2 import TransformerManager
 
     return TransformerManager().transform_cell(source)
@@ -148,7 +149,7 @@ def _module_writes(body, out):
 def reads_writes(source):
     """(names read anywhere in the cell, names it binds at module level)."""
     try:
-        tree = ast.parse(_python(source))
+        tree = ast.parse(python_of(source))
     except SyntaxError:
         return set(), set()
     reads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}

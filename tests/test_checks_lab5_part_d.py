@@ -50,9 +50,20 @@ def master_cells():
             if c.cell_type == "code"]
 
 
+_EARLIER = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_processes():
+    """Children of this test process from before the test (other tests' kernels, in a full run)."""
+    _EARLIER.clear()
+    _EARLIER.update(p.pid for p in psutil.Process().children(recursive=True))
+
+
 def leftover_processes():
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
+    """Processes the test started that are still running."""
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in _EARLIER
+            and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 # --------------------------------------------------------------------------- the reference

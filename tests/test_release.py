@@ -9,6 +9,7 @@ import zipfile
 import nbformat
 import pytest
 
+from answers_harness import python_of
 from labs import LABS, ROOT, release_paths
 from jaxlab import release
 
@@ -121,7 +122,7 @@ def test_no_cell_after_a_task_reassigns_its_graded_names(lab):
     for question, spec in checks.QUESTIONS.items():
         answer = next(i for i, s in enumerate(code) if f'grader.check("{question}")' in s) - 1
         for later in code[answer + 1:]:
-            clash = _assigned_names(ast.parse(later)) & set(spec.names)
+            clash = _assigned_names(ast.parse(python_of(later))) & set(spec.names)
             assert not clash, f"a cell after {question} reassigns {clash}:\n{later[:200]}"
 
 
