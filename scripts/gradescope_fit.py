@@ -326,11 +326,13 @@ def tampering(args, memory: int, logs: pathlib.Path) -> bool:
 
 
 def parse_size(text: str) -> int:
+    """Bytes of a size such as 768M or 1G; a bare number is MiB (1024 was once read as 1024
+    bytes, which no grading fits in)."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     text = text.strip().upper().removesuffix("B")
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    return int(float(text) * MIB)
 
 
 def main() -> None:
@@ -338,7 +340,7 @@ def main() -> None:
     parser.add_argument("labs", nargs="*", default=list(LABS), metavar="LAB",
                         help=f"default: {' '.join(LABS)}")
     parser.add_argument("--memory", default="768M",
-                        help="memory cap, page cache included (e.g. 768M, 1G; 0 = none)")
+                        help="memory cap, page cache included (e.g. 768M, 1G, or MiB: 1024; 0 = none)")
     parser.add_argument("--cpu", type=float, default=CPU_DEFAULT,
                         help="CPU quota in CPUs (0 = none)")
     parser.add_argument("--wall", type=float, default=WALL_DEFAULT, help="seconds")
