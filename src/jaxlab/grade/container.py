@@ -86,6 +86,7 @@ def grade(root="/autograder", *, limits=CONTAINER_LIMITS):
         sub = subs[0]
         settings = Settings(autograder_root=str(source), fingerprint=ag.fingerprint(),
                             scratch=str(scratch), limits=limits, prestart=False,
+                            claims_first=True,
                             kernel_uid=None if not_dropped else KERNEL_UID)
         worker = Worker(settings)
         try:

@@ -42,6 +42,11 @@ class Settings:
     cgroup: dict | None = None  # the batch's cgroup.Parent, kernels' cgroups go in (as_dict)
     disk_cap: bool = False  # whether each kernel's folder is a size-limited tmpfs
     kernel_uid: int | None = None  # unsandboxed kernels run as this user (a root container's)
+    # gather every question's claim, then stop the kernel before judging, so that the judge's
+    # JAX (~165 MiB) never adds to the student's kernel: in a 768 MB container Lab 4's kernel
+    # (501 MiB) and the judging worker (283 MiB) did not fit together. Costs each question's
+    # check run once more in the kernel, so batches (which have the memory) do not.
+    claims_first: bool = False
     xla_threads: int | None = None
     cpu: int | None = None
     log: str | None = None

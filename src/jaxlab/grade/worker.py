@@ -202,18 +202,25 @@ class Worker:
                     session.run(probe_cells(self.checks.QUESTIONS, self.ag.checks_module,
                                             private, layout))
                 clock.lap("probe")
-                # 4. the trusted verdicts, once
-                stop = session.result.stop
-                reason = stop.describe(limits.timeout) if stop else None
-                decided = verdicts(self.ag, self.checks, layout, reason)
+                if self.s.claims_first:  # 5. now, for every question (Settings.claims_first)
+                    if session.alive:
+                        session.run(claim_cells(tests, private, layout))
+                    clock.lap("claims")
+                else:
+                    # 4. the trusted verdicts, once
+                    decided = self._judge(session.result, layout)
+                    clock.lap("judge")
+                    # 5. otter's own tests in the kernel where the verdict fails (all of them
+                    #    for a zip without checks): a claimed pass there is the sign of tampering
+                    failing = {q: t for q, t in tests.items()
+                               if q not in decided or not decided[q].passed}
+                    if session.alive:
+                        session.run(claim_cells(failing, private, layout))
+                    clock.lap("claims")
+            if self.s.claims_first:  # 4. with the kernel gone
+                kernel.kill()
+                decided = self._judge(session.result, layout)
                 clock.lap("judge")
-                # 5. otter's own tests in the kernel where the verdict fails (all of them for
-                #    a zip without checks): a claimed pass there is the sign of tampering
-                failing = {q: t for q, t in tests.items()
-                           if q not in decided or not decided[q].passed}
-                if session.alive:
-                    session.run(claim_cells(failing, private, layout))
-                clock.lap("claims")
             ex = session.result
             # 6. the score, from the verdicts and the claims
             reason = ex.stop.describe(limits.timeout) if ex.stop else None
@@ -226,6 +233,11 @@ class Worker:
             self._reap()
             clock.lap("close")
         return Run(ex, judgement, strangers, clock.phases)
+
+    def _judge(self, result, layout):
+        """The trusted verdicts, from the evidence the probes left in ``layout``."""
+        reason = result.stop.describe(self.s.limits.timeout) if result.stop else None
+        return verdicts(self.ag, self.checks, layout, reason)
 
     def _place_files(self, kernel, files):
         """The submission's other files and the autograder's support files, in its folder."""
