@@ -220,7 +220,9 @@ def notebook_launch(tmp_path, monkeypatch):
 def test_the_notebook_launch_returns_what_each_process_printed(notebook_launch, tmp_path):
     (tmp_path / "hi.py").write_text(
         "import sys\nprint('[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of "
-        "connected peer ranks is : 7')\nprint(sys.argv[1:])\n")
+        "connected peer ranks is : 7')\n"
+        "print('[Gloo] Rank 0 is connected to 1')\nprint(' peer ranks. ')\n"  # cut by a newline
+        "print(sys.argv[1:])\n")
     outputs = notebook_launch["launch"]("hi.py", "a", 7)
     assert [o.splitlines()[-1].split(", ")[1:] for o in outputs] == \
         [["'2'", "'0'", "'a'", "'7']"], ["'2'", "'1'", "'a'", "'7']"]]

@@ -1138,8 +1138,9 @@ PD_TIMEOUT = 120  # seconds; a launch of this part's scripts takes about 5 s on 
 PD_GRACE = 5  # seconds the other processes get to finish once one has failed
 # gloo reports every connection it makes, from several threads at once (so its messages can be
 # cut in two by other lines); that says nothing here
-PD_GLOO_NOISE = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?"
-                           r"|Expected number of connected peer ranks is : \d+")
+PD_GLOO_NOISE = re.compile(
+    r"\[Gloo\]\s+Rank\s+\d+\s+is\s+connected\s+to\s+\d+\s+peer\s+ranks\.[ \t]*"
+    r"|Expected\s+number\s+of\s+connected\s+peer\s+ranks\s+is\s+:\s+\d+")
 
 
 def pd_free_port():
@@ -1155,8 +1156,11 @@ def pd_tail(text, lines=15):
 
 def pd_quiet(text):
     """`text` without gloo's connection messages."""
-    lines = [(PD_GLOO_NOISE.sub("", line), line) for line in text.splitlines(True)]
-    return "".join(kept for kept, line in lines if kept.strip() or not line.strip())
+    # a message may span lines (another thread's newline inside it): match the whole text,
+    # then drop the lines that held nothing else
+    marked = PD_GLOO_NOISE.sub("\0", text)
+    lines = [(line.replace("\0", ""), line) for line in marked.splitlines(True)]
+    return "".join(kept for kept, line in lines if kept.strip() or "\0" not in line)
 
 
 def launch(script, *args, num_processes=2, timeout=PD_TIMEOUT):

@@ -1086,8 +1086,9 @@ PD_MODEL = "pd_model.py"
 PD_BOOT = "pd_boot.py"
 # gloo's report of every connection it makes, written by several threads at once (so other lines
 # can cut it in two): not the student's output
-PD_GLOO_NOISE = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?"
-                               r"|Expected number of connected peer ranks is : \d+")
+PD_GLOO_NOISE = re.compile(
+    r"\[Gloo\]\s+Rank\s+\d+\s+is\s+connected\s+to\s+\d+\s+peer\s+ranks\.[ \t]*"
+    r"|Expected\s+number\s+of\s+connected\s+peer\s+ranks\s+is\s+:\s+\d+")
 
 # pd_model.py exactly as the notebook writes it (a test compares the two)
 PD_MODEL_SOURCE = '''\
@@ -1322,8 +1323,11 @@ def _pd_read_log(path):
     except OSError:
         return ""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    lines = [(PD_GLOO_NOISE.sub("", line), line) for line in text.splitlines(True)]
-    return "".join(kept for kept, line in lines if kept.strip() or not line.strip())[-PD_LOG_TAIL:]
+    # a message may span lines (another thread's newline inside it): match the whole text,
+    # then drop the lines that held nothing else
+    marked = PD_GLOO_NOISE.sub("\0", text)
+    lines = [(line.replace("\0", ""), line) for line in marked.splitlines(True)]
+    return "".join(kept for kept, line in lines if kept.strip() or "\0" not in line)[-PD_LOG_TAIL:]
 
 
 def _pd_rerun(script):
