@@ -106,10 +106,13 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
             reference_dir=str(warmup.reference_folder(zip_path)) if compile_cache else None,
             log=str(state / ("workers.log" if part == shards.WHOLE
                              else f"workers-{part.name}.log")))
+        whole = part == shards.WHOLE
         cpus = sorted(os.sched_getaffinity(0))  # what this process may use (Slurm binds it)
         n = max(1, min(workers or len(cpus), len(pending)))
         if pin_cpus is None:  # one kernel per core measured 15% faster than sharing both
-            pin_cpus = n <= len(cpus)
+            # a shard given more cores than workers shares them with others (pods on one
+            # node, shards started by hand), which would pin to the same first cores
+            pin_cpus = n <= len(cpus) and (whole or workers is None or workers >= len(cpus))
         # 0. the compilation cache every kernel reads, written once by a trusted notebook
         warm_up = warm_up or shipped_solution(zip_path)
         if compile_cache and warm_up and pending:
@@ -138,7 +141,6 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
                  for i in range(n if pending else 0)]
         for t in slots:
             t.start()
-        whole = part == shards.WHOLE
         with tqdm(total=len(pending), unit="nb", desc="grading", disable=not show) as bar:
             for _ in pending:
                 record = done.get()

@@ -73,10 +73,11 @@ def lost_points_message(record, question):
 
 
 def reasons(records, question, categories):
-    """The Reasons ``question`` lost points for, most common first."""
+    """The Reasons ``question`` lost points for, most common first (submissions that could not
+    be graded at all are left to the page's list of them)."""
     groups = {}
     for r in records:
-        if categories[(r.file, question)] == "full marks":
+        if categories[(r.file, question)] == "full marks" or r.catastrophic:
             continue
         message = lost_points_message(r, question)
         g = groups.setdefault(shape(message), Reason(shape(message), collections.Counter(), []))
@@ -137,12 +138,13 @@ section.question { border-top: 2px solid var(--ink); margin-top: 30px; padding-t
 .reason .who { grid-column: 2; font-size: 13px; color: var(--muted); }
 .none { color: var(--muted); font-style: italic; }
 details summary { cursor: pointer; color: var(--muted); margin: 8px 0; font-size: 14px; }
-.hist { display: flex; align-items: flex-end; gap: 3px; height: 90px; margin: 8px 0 2px; }
+.hist { display: flex; align-items: flex-end; gap: 3px; height: 110px; margin: 8px 0 2px;
+        padding-top: 18px; }
 .hist div { flex: 1; background: #0072B2; min-height: 1px; position: relative; }
 .hist div span { position: absolute; top: -17px; width: 100%%; text-align: center;
                  font-size: 11px; color: var(--muted); }
-.hist-axis { display: flex; gap: 3px; font-size: 11px; color: var(--muted); }
-.hist-axis span { flex: 1; text-align: center; }
+.hist-axis { display: flex; justify-content: space-between; font-size: 11px;
+             color: var(--muted); }
 .cell { display: inline-block; min-width: 34px; padding: 0 4px; border-radius: 3px;
         text-align: center; font-size: 12px; background: var(--c); }
 .cell.dark { color: white; }
@@ -223,9 +225,15 @@ def render(records, autograder, missing=None, unstarted=()):
                '<th class="num">points</th><th>how it went</th><th class="num">lost points'
                '</th></tr></thead><tbody>' + "".join(rows) + "</tbody></table>"
                f'<div><h3>Total scores</h3><div class="hist">{hist}</div><div class="hist-axis">'
-               + "".join(f"<span>{10 * i}</span>" for i in range(10)) +
-               '</div><p class="sub" style="font-size:12px">% of the points, in bins of 10</p>'
+               "<span>0%</span><span>50%</span><span>100%</span></div>"
+               '<p class="sub" style="font-size:12px">submissions per tenth of the points</p>'
                "</div></div>")
+    broken = [r for r in records if r.catastrophic]
+    if broken:
+        out.append(f'<h3>Not graded at all ({len(broken)})</h3><table class="broken"><tbody>' +
+                   "".join(f'<tr><td><a href="{e(_link(SUMMARIES, r.file, ".txt"))}">'
+                           f'{e(r.file)}</a></td><td class="status">{e(r.status)}</td></tr>'
+                           for r in broken) + "</tbody></table>")
 
     # per question
     for q in questions:
@@ -241,18 +249,26 @@ def render(records, autograder, missing=None, unstarted=()):
                        f"</span>" for c in CATEGORIES) + "</div>")
         found = reasons(records, q, categories)
         lost = n - counts["full marks"]
-        out.append(f"<h3>Why points were lost</h3>" if found else
-                   '<p class="none">Nobody lost points here.</p>')
+        out.append(f"<h3>Why {lost} submission{'s' if lost != 1 else ''} lost points</h3>"
+                   if lost else '<p class="none">Nobody lost points here.</p>')
         items = []
+        if broken:  # one reason, in its place by count
+            found = sorted(found + [Reason("", collections.Counter(), [r.file for r in broken])],
+                           key=lambda g: -len(g.files))
         for g in found:
             k = len(g.files)
+            if not g.shape:  # the submissions above that nothing could be graded of
+                items.append(f'<div class="reason" data-count="{k}"><div class="n">{k}<small>'
+                             f'{_pct(k, lost)}</small></div><div class="who" style="grid-column:'
+                             f'2">not graded at all (listed at the top)</div></div>')
+                continue
             examples = ", ".join(
                 f'<a href="{e(_link(SUMMARIES, f, ".txt"))}">{e(f)}</a>'
                 for f in g.files[:EXAMPLES]) + (f" and {k - EXAMPLES} more" if k > EXAMPLES else "")
             variants = len(g.messages)
             also = f" · {variants} variants of this message" if variants > 1 else ""
             items.append(f'<div class="reason" data-count="{k}"><div class="n">{k}<small>'
-                         f'{_pct(k, lost)} of {lost}</small></div><div class="msg">'
+                         f'{_pct(k, lost)}</small></div><div class="msg">'
                          f'{e(g.example)}</div><div class="who">e.g. {examples}{e(also)}</div>'
                          "</div>")
         out.append("".join(items[:REASONS_SHOWN]))
