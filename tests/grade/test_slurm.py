@@ -189,10 +189,51 @@ def test_a_shard_grades_its_share_and_the_report_names_what_is_missing(lab, subs
     assert graded == mine
     assert not (out / CSV).exists()  # the shared files are the report's
     assert report(output_dir=out, show=False) is False
-    assert "shard 1/2: never started" in capsys.readouterr().err
+    assert "shard 1 of 2: never started" in capsys.readouterr().err
     df = pd.read_csv(out / CSV).set_index("file")
     assert set(df.index) == {"points-per-question"} | mine
     expected = pd.read_csv(whole / CSV).set_index("file").loc[df.index]
     pd.testing.assert_frame_equal(df, expected)
     html = (out / "report.html").read_text()
-    assert "Incomplete" in html and "shard 1: never started" in html
+    assert "Incomplete" in html and "shard 1 of 2: never started" in html
+
+
+def test_jaxlab_slurm_writes_the_array_and_report_scripts_and_plans_every_shard(
+        lab, subs, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from jaxlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "grades"
+    result = CliRunner().invoke(main, [
+        "slurm", str(subs), "-o", str(out), "--tasks", "3", "--cpus-per-task", "4",
+        "--time", "0:30:00", "--partition", "short", "--autograder", str(lab.autograder),
+        "--timeout", "300", "--sandbox", "require", "--force"])
+    assert result.exit_code == 0, result.output
+    script = (out / ".jaxlab/slurm/grade.sbatch").read_text()
+    for line in ("#SBATCH --array=0-2", "#SBATCH --cpus-per-task=4", "#SBATCH --time=0:30:00",
+                 "#SBATCH --partition=short", f"#SBATCH --chdir={tmp_path}"):
+        assert line in script.splitlines(), script
+    command = script.splitlines()[-1]
+    assert command.startswith("exec ") and '--shard "$SLURM_ARRAY_TASK_ID/3"' in command
+    assert '--workers "$SLURM_CPUS_PER_TASK"' in command
+    # the options given, as `jaxlab grade` takes them; the defaults left to it
+    assert "--timeout 300.0" in command and "--sandbox require" in command
+    assert "--force" in command and "--cell-timeout" not in command
+    assert f"--autograder {lab.autograder}" in command
+    assert 'export JAXLAB_CACHE_DIR=${TMPDIR:-/tmp}/jaxlab-cache-$(id -u)' in script
+    report = (out / ".jaxlab/slurm/report.sbatch").read_text()
+    assert report.splitlines()[-1].endswith(f"-m jaxlab report {out}")
+    assert "sbatch --dependency=afterany:$array" in result.output
+    # every shard is planned, so status knows what each queued task holds
+    rows = status(output_dir=out, show=False)
+    assert [r.state for r in rows] == \
+        ["queued" if any(shard_of(p.name, 3) == k for p in subs.iterdir()) else "empty"
+         for k in range(3)]
+    assert sum(r.remaining for r in rows) == 7
+    result = CliRunner().invoke(main, ["status", str(out)])
+    assert result.exit_code == 1 and "queued" in result.output
+    bad = CliRunner().invoke(main, ["slurm", str(subs), "-o", str(out), "--tasks", "3",
+                                    "--only", "5", "--autograder", str(lab.autograder)])
+    assert bad.exit_code == 2 and "from 0 to 2" in bad.output

@@ -26,9 +26,10 @@ EXAMPLES = 3  # example submissions per reason
 MESSAGE_CHARS = 600  # a message longer than this is cut (tracebacks)
 
 # What varies between two students' copies of one message. Order matters: arrays first (they
-# hold numbers), then quoted and backticked text, then numbers.
+# hold numbers), then partition specs, quoted and backticked text, then numbers.
 _ARRAY = re.compile(r"\b(?:Array|array|DeviceArray)\((?:[^()]|\([^()]*\))*\)"
                     r"|\[[\[\]\s\d.,eE+\-…]*\d[\[\]\s\d.,eE+\-…]*\]")
+_SPEC = re.compile(r"\b(?:P|PartitionSpec)\([^()]*\)")  # P('x', None) and P(None, 'y') alike
 _QUOTED = re.compile(r"'[^'\n]{0,80}'|\"[^\"\n]{0,80}\"")
 _BACKTICKED = re.compile(r"`[^`\n]{1,120}`")
 _NUMBER = re.compile(r"(?<![\w.])(?:0x[0-9a-fA-F]+|[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
@@ -38,6 +39,7 @@ _NUMBER = re.compile(r"(?<![\w.])(?:0x[0-9a-fA-F]+|[-+]?(?:\d+\.?\d*|\.\d+)(?:[e
 def shape(message):
     """``message`` with what differs between students replaced by placeholders."""
     s = _ARRAY.sub("[…]", message)
+    s = _SPEC.sub("P(…)", s)
     s = _QUOTED.sub("'…'", s)
     s = _BACKTICKED.sub("`…`", s)
     s = _NUMBER.sub("#", s)
@@ -176,8 +178,9 @@ def _bar(counts, n):
     return f'<div class="bar">{"".join(parts)}</div>'
 
 
-def render(records, autograder, missing=None, unstarted=()):
-    """The page's HTML for ``records`` (in file order) graded with ``autograder``."""
+def render(records, autograder, waiting=()):
+    """The page's HTML for ``records`` (in file order) graded with ``autograder``; ``waiting``
+    says in words what is not graded yet."""
     e = html.escape
     questions = in_notebook_order(autograder.points)
     long = per_question(records, autograder)
@@ -197,10 +200,7 @@ def render(records, autograder, missing=None, unstarted=()):
            f"<h1>{e(name)}: what the class got wrong</h1>",
            f'<p class="sub">{n} submission{"s" if n != 1 else ""} · {len(questions)} questions · '
            f"{possible:g} points · median score {median:.0f}%</p>"]
-    if missing or unstarted:
-        waiting = [f"shard {k}: {v} submission{'s' if v != 1 else ''} not graded yet"
-                   for k, v in (missing or {}).items()]
-        waiting += [f"shard {i}: never started" for i in unstarted]
+    if waiting:
         out.append(f'<p class="warn"><b>Incomplete:</b> {e("; ".join(waiting))}. Run those '
                    "shards again, then <code>jaxlab report</code>.</p>")
     out.append('<div class="legend">' + "".join(
@@ -302,9 +302,9 @@ def render(records, autograder, missing=None, unstarted=()):
     return "".join(out)
 
 
-def write(out, records, autograder, missing=None, unstarted=()):
+def write(out, records, autograder, waiting=()):
     path = pathlib.Path(out) / PAGE
     tmp = path.with_name(PAGE + ".tmp")
-    tmp.write_text(render(records, autograder, missing, unstarted), encoding="utf-8")
+    tmp.write_text(render(records, autograder, waiting), encoding="utf-8")
     tmp.replace(path)
     return path

@@ -14,6 +14,8 @@ from otter.grade.utils import SCORES_DICT_FILE_KEY, SCORES_DICT_GRADING_STATUS_K
     merge_scores_to_df
 from otter.test_files import GradingResults, TestCase, TestCaseResult
 
+from . import shard as shards
+
 SUMMARIES = "grading-summaries"
 GRADESCOPE = "gradescope-results"
 PLOT = "score_distribution.png"
@@ -30,8 +32,6 @@ def report(*, output_dir="grades", show=True):
     report.html in ``output_dir`` from the records its shards wrote, as one batch grading every
     submission there would have. True when every submission of the current split has a record;
     otherwise what is graded is written, and the shards still to run are printed."""
-    from . import shard as shards
-
     out = pathlib.Path(output_dir)
     split = shards.current_split(out)
     files = split.files()
@@ -41,10 +41,12 @@ def report(*, output_dir="grades", show=True):
     if len(names) != 1:
         raise ValueError(f"the shards of {out} were graded with {len(names)} different "
                          "autograders" if names else f"{out} names no autograder zip")
-    missing = {str(m.shard): sum(f not in records for f in m.files)
-               for m in split.manifests.values()}
-    missing = {k: v for k, v in missing.items() if v}
-    unstarted = split.missing()
+    waiting = [f"shard {m.shard}: {k} not graded yet" for m in split.manifests.values()
+               if (k := sum(f not in records for f in m.files))]
+    if split.missing():
+        many = len(split.missing()) > 1
+        waiting.append(f"shard{'s' if many else ''} {_ranges(split.missing())} of "
+                       f"{split.count}: never started")
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-report-"))
     try:
         from .autograder import open_autograder
@@ -52,22 +54,30 @@ def report(*, output_dir="grades", show=True):
         ag = open_autograder(shards.state_dir(out) / AUTOGRADERS / names.pop(), scratch)
         for r in ordered:
             write_submission(out, r, ag)
-        write_class_report(out, ordered, ag, missing=missing, unstarted=unstarted)
+        write_class_report(out, ordered, ag, waiting=waiting)
         if show:
             print_table(question_table(ordered, ag))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    complete = not missing and not unstarted
-    if not complete:
-        waiting = [f"shard {k}: {v} not graded" for k, v in missing.items()] + \
-                  [f"shard {i}/{split.count}: never started" for i in unstarted]
+    if waiting:
         print(f"jaxlab report: {len(ordered)} of {len(files)} submissions graded so far "
               f"({'; '.join(waiting)}); run those shards again, then `jaxlab report` again",
               file=sys.stderr)
     elif show:
         print(f"jaxlab report: {len(ordered)} submissions from {split.count} shard"
               f"{'s' if split.count != 1 else ''} in {out / CSV}", file=sys.stderr)
-    return complete
+    return not waiting
+
+
+def _ranges(indexes):
+    """[0, 2, 3, 4, 7] -> "0, 2-4, 7"."""
+    runs = []
+    for i in sorted(indexes):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def keep_autograder(output_dir, zip_path):
@@ -75,7 +85,7 @@ def keep_autograder(output_dir, zip_path):
     same zip write the same bytes under the same name, atomically); that name."""
     data = pathlib.Path(zip_path).read_bytes()
     name = f"{hashlib.sha256(data).hexdigest()[:20]}.zip"
-    folder = pathlib.Path(output_dir) / ".jaxlab" / AUTOGRADERS
+    folder = shards.state_dir(output_dir) / AUTOGRADERS
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / name).exists():
         tmp = folder / f"{name}.{os.getpid()}.tmp"
@@ -84,13 +94,14 @@ def keep_autograder(output_dir, zip_path):
     return name
 
 
-def write_class_report(out, records, autograder, missing=None, unstarted=()):
-    """final_grades.csv, score_distribution.png and report.html for ``records``."""
+def write_class_report(out, records, autograder, waiting=()):
+    """final_grades.csv, score_distribution.png and report.html for ``records``; ``waiting``:
+    what is not graded yet, in words, for the page."""
     from . import page
 
     write_csv(out, records, autograder)
     plot_distribution(out, records, autograder)
-    page.write(out, records, autograder, missing=missing or {}, unstarted=unstarted)
+    page.write(out, records, autograder, waiting=waiting)
 
 
 def results_of(record, autograder):

@@ -199,6 +199,8 @@ class ShardStatus:
     def state(self):
         if self.total is None:
             return "no manifest"
+        if self.total == 0:
+            return "empty"  # no submission hashes to it
         if self.remaining == 0:
             return "complete"
         if self.started is None:
