@@ -149,17 +149,24 @@ def main():
                 out = work / f"{variant}-{i}"
                 t[variant] = run_batch(subs, out) if variant == "batch" else \
                     run_array(cluster, subs, out, work / "cache")
-            same = (work / f"array-{i}" / CSV).read_text() == (work / f"batch-{i}" / CSV).read_text()
+            same = (work / f"array-{i}" / CSV).read_text() == \
+                (work / f"batch-{i}" / CSV).read_text()
             ratios.append(t["array"] / t["batch"])
             print(f"round {i + 1} ({' then '.join(order)}): array {t['array']:.1f} s, "
                   f"batch {t['batch']:.1f} s, array / batch {ratios[-1]:.3f}, "
                   f"final_grades.csv identical: {same}")
         print(f"array / batch: {', '.join(f'{r:.3f}' for r in ratios)} "
               f"(mean {statistics.mean(ratios):.3f}; target <= 1.10)")
-        records = [Record.read(p) for p in (work / "batch-0" / ".jaxlab" / "records").glob("*.json")]
-        cells = [r.cell_seconds for r in records]
-        print(f"student cells per submission, as the kernels timed them: mean "
-              f"{statistics.mean(cells):.1f} s (min {min(cells):.1f}, max {max(cells):.1f})")
+        records = [Record.read(p)
+                   for p in (work / "batch-0" / ".jaxlab" / "records").glob("*.json")]
+        for kind in ("solution", "wrong"):
+            mine = [r for r in records if r.file.startswith(kind)]
+            cells = [r.cell_seconds for r in mine]
+            whole = [r.seconds for r in mine]
+            print(f"{kind} ({len(mine)}), per submission on its core: student cells (as its "
+                  f"kernels timed them) mean {statistics.mean(cells):.1f} s "
+                  f"(min {min(cells):.1f}, max {max(cells):.1f}); graded in "
+                  f"{statistics.mean(whole):.1f} s (min {min(whole):.1f}, max {max(whole):.1f})")
     finally:
         cluster.stop()
     # the report step on many records

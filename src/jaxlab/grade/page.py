@@ -172,7 +172,8 @@ def _bar(counts, n):
             continue
         share = 100 * k / n
         label = f"{share:.0f}%" if share >= 7 else ""
-        parts.append(f'<div class="{"dark" if category in _DARK else ""}" style="{_style(category)};'
+        dark = "dark" if category in _DARK else ""
+        parts.append(f'<div class="{dark}" style="{_style(category)};'
                      f'width:{share:.3f}%" title="{category}: {k} of {n} ({share:.0f}%)">'
                      f"{label}</div>")
     return f'<div class="bar">{"".join(parts)}</div>'
@@ -283,11 +284,12 @@ def render(records, autograder, waiting=()):
     rows = []
     for r, total in zip(records, totals):
         cells = "".join(
-            f'<td class="num"><span class="cell {"dark" if categories[(r.file, q)] in _DARK else ""}"'
-            f' style="{_style(categories[(r.file, q)])}" title="{e(q)}: {categories[(r.file, q)]}">'
-            f"{points[(r.file, q)]:g}</span></td>" for q in questions)
+            f'<td class="num"><span class="cell {"dark" if c in _DARK else ""}" '
+            f'style="{_style(c)}" title="{e(q)}: {c}">{points[(r.file, q)]:g}</span></td>'
+            for q in questions for c in [categories[(r.file, q)]])
         status = r.status or ""
-        rows.append(f'<tr data-file="{e(r.file)}"><td><a href="{e(_link(SUMMARIES, r.file, ".txt"))}">'
+        summary = e(_link(SUMMARIES, r.file, ".txt"))
+        rows.append(f'<tr data-file="{e(r.file)}"><td><a href="{summary}">'
                     f'{e(r.file)}</a> <small>(<a href="{e(_link(GRADESCOPE, r.file, ".json"))}">'
                     f"json</a>)</small></td>{cells}<td class=\"num\"><b>{total:g}</b></td>"
                     f'<td class="num">{_pct(total, possible)}</td><td class="status" '

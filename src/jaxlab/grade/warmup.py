@@ -12,9 +12,9 @@ The warm-up is also a check of the grading machine: a solution that does not sco
 here says the environment differs from the one the autograder was built for.
 
 Batches that start together on one machine (the shards of a Slurm array on one node) warm it
-once: the first takes a lock beside the folder and warms, the others wait for the lock and read
-what it wrote. The kernel drops the lock of a grader that dies, so a killed warm-up is retried
-by the next batch.
+once: the first takes a lock (a file under ``locks/``) and warms, the others wait for the lock
+and read what it wrote. The kernel drops the lock of a grader that dies, so a killed warm-up is
+retried by the next batch.
 """
 
 import contextlib
@@ -111,7 +111,9 @@ def warm(*, zip_path, notebook, grade_one):
     if done is not None:
         return done
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(final.parent / f"{final.name}.lock"):
+    locks = cache_root() / "locks"  # kept (unlinking a lock file races with its next user)
+    locks.mkdir(parents=True, exist_ok=True)
+    with _locked(locks / f"{final.name}.lock"):
         done = read(final)  # warmed by the batch that held the lock before us
         return done if done is not None else _warm(final, notebook, grade_one)
 
