@@ -23,10 +23,6 @@ CSV = "final_grades.csv"
 AUTOGRADERS = "autograder"  # under OUTDIR/.jaxlab: the zips records were graded with
 
 
-class Incomplete(RuntimeError):
-    """Some submissions of the split have no record yet; the message says which shards."""
-
-
 def report(*, output_dir="grades", show=True):
     """Write final_grades.csv, the summaries, the Gradescope JSON, score_distribution.png and
     report.html in ``output_dir`` from the records its shards wrote, as one batch grading every
@@ -52,8 +48,9 @@ def report(*, output_dir="grades", show=True):
         from .autograder import open_autograder
 
         ag = open_autograder(shards.state_dir(out) / AUTOGRADERS / names.pop(), scratch)
-        for r in ordered:
-            write_submission(out, r, ag)
+        for r in ordered:  # a shard wrote these as it graded; only a missing or older one again
+            if _older_than_record(out, r):
+                write_submission(out, r, ag)
         write_class_report(out, ordered, ag, waiting=waiting)
         if show:
             print_table(question_table(ordered, ag))
@@ -67,6 +64,19 @@ def report(*, output_dir="grades", show=True):
         print(f"jaxlab report: {len(ordered)} submissions from {split.count} shard"
               f"{'s' if split.count != 1 else ''} in {out / CSV}", file=sys.stderr)
     return not waiting
+
+
+def _older_than_record(out, record):
+    record_time = (shards.state_dir(out) / shards.RECORDS /
+                   f"{shards.record_key(record.file)}.json").stat().st_mtime
+    for path in (out / SUMMARIES / f"{stem(record.file)}.txt",
+                 out / GRADESCOPE / f"{stem(record.file)}.json"):
+        try:
+            if path.stat().st_mtime < record_time:
+                return True
+        except FileNotFoundError:
+            return True
+    return False
 
 
 def _ranges(indexes):
