@@ -4,9 +4,10 @@ and the report step's time for many synthetic records.
     .venv/bin/python benchmarks/shard_vs_batch.py           # root, with slurm-wlm and munge
 
 The folder: ``--copies`` copies of the Lab 3 solution and ``--wrong`` notebooks with corpus
-wrong answers (tests/answers/), named so that each of the 2 shards holds the same number of
-each kind (the hash split is even only on average; this measures what sharding costs per
-submission, not the luck of the split). One warm-up first, into this run's own cache, shared
+wrong answers (tests/answers/), named so that each of the 2 shards holds the same work: half
+the copies, and one copy of each of ``--wrong / 2`` wrong notebooks (the hash split is even
+only on average, and wrong answers differ in cost; this measures what sharding costs per
+submission, not the luck of the split; docs/grading.md says what that luck costs). One warm-up first, into this run's own cache, shared
 by both variants (a cluster pays it once per node, a machine once per autograder): its time
 is printed, not counted. Then, ``--rounds`` times, in alternating order:
 
@@ -40,7 +41,8 @@ import nbformat
 from jaxlab.grade import grade
 from jaxlab.grade.model import Record
 from jaxlab.grade.report import CSV, keep_autograder
-from jaxlab.grade.shard import Manifest, Shard, record_key, shard_of, write_manifest
+from jaxlab.grade.shard import Manifest, Shard, current_split, record_key, shard_of, \
+    write_manifest
 from jaxlab.grade.slurm import slurm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -53,28 +55,34 @@ from answers_harness import Release, load_answers  # noqa: E402
 from slurmcluster import Cluster  # noqa: E402
 
 
-def balanced_names(kind, count, shards=2):
-    """``count`` names ``kind-NN.ipynb``, the same number in each shard."""
-    per, names, i = count // shards, {k: [] for k in range(shards)}, 0
+def names_per_shard(kind, per, shards=2):
+    """``per`` names ``kind-NN.ipynb`` for each shard: {shard: [names]}."""
+    names, i = {k: [] for k in range(shards)}, 0
     while any(len(v) < per for v in names.values()):
         name = f"{kind}-{i:02d}.ipynb"
-        k = shard_of(name, shards)
-        if len(names[k]) < per:
-            names[k].append(name)
+        if len(names[shard_of(name, shards)]) < per:
+            names[shard_of(name, shards)].append(name)
         i += 1
-    return sorted(n for v in names.values() for n in v)
+    return names
 
 
 def build(folder, copies, wrong, seed=1):
+    """``copies`` solutions and ``wrong`` wrong-answer notebooks, half of each in each shard of
+    2; each wrong notebook's content twice, once in each shard (the same work on both sides:
+    wrong answers differ in cost, and a split by name is not a split by cost)."""
     folder.mkdir(parents=True)
-    for name in balanced_names("solution", copies):
-        shutil.copy(SOLUTION, folder / name)
+    for names in names_per_shard("solution", copies // 2).values():
+        for name in names:
+            shutil.copy(SOLUTION, folder / name)
     release = Release(LAB)
     corpus = [a for a in load_answers(LAB) if not a.correct]
     rng = random.Random(seed)
-    for name in balanced_names("wrong", wrong):
+    per_shard = names_per_shard("wrong", wrong // 2)
+    for pair in zip(*per_shard.values()):
         picks = {a.question: a for a in rng.sample(corpus, 3)}
-        nbformat.write(release.notebook_with(list(picks.values())), folder / name)
+        nb = release.notebook_with(list(picks.values()))
+        for name in pair:
+            nbformat.write(nb, folder / name)
     return folder
 
 
@@ -91,7 +99,20 @@ def run_array(cluster, subs, out, cache):
                  autograder=str(AUTOGRADER), node_cache=str(cache), submit=True, show=False)
     state = cluster.wait(jobs.report_job, timeout=3600)["JobState"]
     assert state == "COMPLETED", state
-    return time.monotonic() - start
+    took = time.monotonic() - start
+    # where the array's time went: each task's own time, the slowest's end to the report's
+    ended = time.time()
+    split = current_split(out)
+    for k, m in sorted(split.manifests.items()):
+        graded = [Record.read(out / ".jaxlab" / "records" / f"{record_key(f)}.json").seconds
+                  for f in m.files]
+        print(f"  shard {k}/2: {len(m.files)} submissions, task {m.finished - m.started:.1f} s "
+              f"(their grading {sum(graded):.1f} s)")
+    last = max(m.finished for m in split.manifests.values())
+    first = min(m.started for m in split.manifests.values())
+    print(f"  submission to the first task's start {took - (ended - first):.1f} s; last task's "
+          f"end to the report job's end (dependency, `jaxlab report`) {ended - last:.1f} s")
+    return took
 
 
 MESSAGE_NUMBERS = re.compile(r"\d+")
@@ -133,7 +154,8 @@ def main():
     cluster = Cluster(work / "slurm")
     try:
         subs = build(work / "submissions", args.copies, args.wrong)
-        print(f"{args.copies} solution copies + {args.wrong} wrong-answer notebooks; shard 0 "
+        print(f"{args.copies} solution copies + {args.wrong} wrong-answer notebooks (each "
+              f"content in both shards); shard 0 "
               f"holds {sum(shard_of(p.name, 2) == 0 for p in subs.iterdir())}, shard 1 "
               f"{sum(shard_of(p.name, 2) == 1 for p in subs.iterdir())}")
         (work / "one").mkdir()
