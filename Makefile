@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: release check test sandbox
+.PHONY: release check test sandbox slurm browser
 
 $(BIN)/jaxlab: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,8 @@ release: $(BIN)/jaxlab
 check: $(BIN)/jaxlab
 	$(BIN)/jaxlab release --check
 
-test: $(BIN)/jaxlab sandbox  # the sandbox tests run for real, never skipped
+# the sandbox, Slurm and browser tests run for real, never skipped
+test: $(BIN)/jaxlab sandbox slurm browser
 	$(BIN)/python -m pytest
 
 # bubblewrap, the sandbox `jaxlab grade` runs each kernel in (Debian/Ubuntu; needs root)
@@ -25,3 +26,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 sandbox:
 	command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; }
+
+# Slurm (slurmctld, slurmd) and munge: tests/grade/test_slurm.py runs a one-node cluster
+slurm:
+	test -x /usr/sbin/slurmctld -a -x /usr/sbin/slurmd -a -x /usr/sbin/munged || { $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; }
+
+# headless Chromium: tests/grade/test_batch.py renders report.html in it
+browser:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }

@@ -8,11 +8,17 @@ import click
 
 from .grade import grade as grade_api
 from .grade.sandbox import Mode
+from .grade.slurm import slurm as slurm_api
 
 SANDBOX_MODES = [m.value for m in Mode]
 # the CLI shows and passes the API's own defaults, which live in one place
-GRADE_DEFAULTS = {k: p.default for k, p in inspect.signature(grade_api).parameters.items()
-                  if p.default is not inspect.Parameter.empty}
+def _defaults(api):
+    return {k: p.default for k, p in inspect.signature(api).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+GRADE_DEFAULTS = _defaults(grade_api)
+SLURM_DEFAULTS = _defaults(slurm_api)
 
 
 @click.group()
@@ -37,48 +43,127 @@ def release(check, root, colab_url, names):
     sys.exit(0 if ok else 1)
 
 
+# options `jaxlab grade` and `jaxlab slurm` share (slurm passes them on to every task)
+SHARED = [
+    click.option("--timeout", type=float, default=GRADE_DEFAULTS["timeout"], show_default=True,
+                 help="Wall-clock limit in seconds for one submission."),
+    click.option("--cell-timeout", type=float, default=GRADE_DEFAULTS["cell_timeout"],
+                 show_default=True,
+                 help="Limit in seconds for one cell; a cell over it is interrupted."),
+    click.option("--memory", "memory_mb", type=int, default=GRADE_DEFAULTS["memory_mb"],
+                 show_default=True, help="Memory cap per submission in MiB."),
+    click.option("--processes", type=int, default=GRADE_DEFAULTS["processes"], show_default=True,
+                 help="Processes and threads one submission's sandbox may run at once."),
+    click.option("--cpus", type=float, default=GRADE_DEFAULTS["cpus"], show_default=True,
+                 help="CPU time per submission, in cores."),
+    click.option("--disk", "disk_mb", type=int, default=GRADE_DEFAULTS["disk_mb"],
+                 show_default=True,
+                 help="What one submission may write (its folder, home and /tmp), in MiB."),
+    click.option("--assignment", default=None,
+                 help="Which shipped lab to grade against (default: guessed from the notebooks)."),
+    click.option("--autograder", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="Any otter autograder zip instead of a shipped one."),
+    click.option("--warm-up", "warm_up", type=click.Path(exists=True, dir_okay=False,
+                                                         resolve_path=True),
+                 default=None,
+                 help="Your solution notebook, graded once per autograder and machine to write "
+                      "the compilation cache every kernel reads (default: the shipped solution)."),
+    click.option("--force", is_flag=True, help="Grade again what OUTPUT_DIR already holds."),
+    click.option("--sandbox", type=click.Choice(SANDBOX_MODES), default=GRADE_DEFAULTS["sandbox"],
+                 show_default=True,
+                 help="Run each kernel in a bubblewrap sandbox: 'auto' where bwrap runs (else say "
+                      "so in every row), 'require' to refuse grading without it, 'off' never."),
+]
+
+def shared_options(f):
+    for option in reversed(SHARED):
+        f = option(f)
+    return f
+
+
+def _grade_errors(call):
+    try:
+        return call()
+    except (ValueError, FileNotFoundError) as exc:  # which autograder, --shard, --only
+        raise click.UsageError(str(exc)) from None
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("-o", "--output-dir", default=GRADE_DEFAULTS["output_dir"], show_default=True,
               help="Where final_grades.csv, summaries and plots are written.")
 @click.option("--workers", type=int, default=None,
-              help="Submissions graded at once (default: one per core).")
-@click.option("--timeout", type=float, default=GRADE_DEFAULTS["timeout"], show_default=True,
-              help="Wall-clock limit in seconds for one submission.")
-@click.option("--cell-timeout", type=float, default=GRADE_DEFAULTS["cell_timeout"],
-              show_default=True,
-              help="Limit in seconds for one cell; a cell over it is interrupted.")
-@click.option("--memory", "memory_mb", type=int, default=GRADE_DEFAULTS["memory_mb"],
-              show_default=True,
-              help="Memory cap per submission in MiB.")
-@click.option("--processes", type=int, default=GRADE_DEFAULTS["processes"], show_default=True,
-              help="Processes and threads one submission's sandbox may run at once.")
-@click.option("--cpus", type=float, default=GRADE_DEFAULTS["cpus"], show_default=True,
-              help="CPU time per submission, in cores.")
-@click.option("--disk", "disk_mb", type=int, default=GRADE_DEFAULTS["disk_mb"],
-              show_default=True,
-              help="What one submission may write (its folder, home and /tmp), in MiB.")
-@click.option("--assignment", default=None,
-              help="Which shipped lab to grade against (default: guessed from the notebooks).")
-@click.option("--autograder", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Any otter autograder zip instead of a shipped one.")
-@click.option("--warm-up", "warm_up", type=click.Path(exists=True, dir_okay=False),
-              default=None,
-              help="Your solution notebook, graded once per autograder and machine to write the "
-                   "compilation cache every kernel reads (default: the shipped solution).")
-@click.option("--force", is_flag=True, help="Grade again what OUTPUT_DIR already holds.")
-@click.option("--sandbox", type=click.Choice(SANDBOX_MODES), default=GRADE_DEFAULTS["sandbox"],
-              show_default=True,
-              help="Run each kernel in a bubblewrap sandbox: 'auto' where bwrap runs (else say "
-                   "so in every row), 'require' to refuse grading without it, 'off' never.")
-def grade(paths, output_dir, workers, timeout, cell_timeout, memory_mb, processes, cpus, disk_mb,
-          assignment, autograder, warm_up, force, sandbox):
+              help="Submissions graded at once (default: one per core this process may use).")
+@click.option("--shard", default=None, metavar="K/N",
+              help="Grade only shard K of N (from 0) into OUTPUT_DIR, which the other shards "
+                   "share; `jaxlab report OUTPUT_DIR` then writes the CSV and the class report.")
+@shared_options
+def grade(paths, output_dir, workers, shard, **options):
     """Grade submissions (.ipynb, grader.export() zips, or folders of them) without Docker."""
-    try:
-        ok = grade_api(paths=list(paths), output_dir=output_dir, workers=workers,
-                       timeout=timeout, cell_timeout=cell_timeout, memory_mb=memory_mb,
-                       processes=processes, cpus=cpus, disk_mb=disk_mb, assignment=assignment, autograder=autograder, warm_up=warm_up,
-                       force=force, sandbox=sandbox)
-    except (ValueError, FileNotFoundError) as exc:  # which autograder to use
-        raise click.UsageError(str(exc)) from None
+    ok = _grade_errors(lambda: grade_api(paths=list(paths), output_dir=output_dir,
+                                         workers=workers, shard=shard, **options))
     sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
+def report(output_dir):
+    """Write final_grades.csv, summaries, plots and report.html from every shard's records.
+
+    Exits non-zero while some shard's submissions have no record yet (what is graded is
+    written all the same, and the missing shards are named)."""
+    from .grade.report import report as report_api
+
+    ok = _grade_errors(lambda: report_api(output_dir=output_dir))
+    sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
+def status(output_dir):
+    """Done, failed and remaining submissions per shard of OUTPUT_DIR."""
+    from .grade.shard import status as status_api
+
+    rows = _grade_errors(lambda: status_api(output_dir=output_dir))
+    sys.exit(0 if all(r.remaining == 0 for r in rows) else 1)
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("-o", "--output-dir", default=GRADE_DEFAULTS["output_dir"], show_default=True,
+              help="The shared folder every task grades into.")
+@click.option("--tasks", type=int, required=True, help="Array tasks, one shard each.")
+@click.option("--cpus-per-task", type=int, default=SLURM_DEFAULTS["cpus_per_task"],
+              show_default=True, help="Cores per task: one kernel on each.")
+@click.option("--time", default=None, help="Slurm time limit per task (default: the cluster's).")
+@click.option("--partition", default=None, help="Slurm partition (default: the cluster's).")
+@click.option("--mem-per-cpu", default=None,
+              help="Slurm memory per core, e.g. 2G (default: the cluster's).")
+@click.option("--node-cache", default=SLURM_DEFAULTS["node_cache"], show_default=True,
+              help="Node-local folder for the compilation cache, warmed once per node.")
+@click.option("--only", default=None, metavar="K[,K...]",
+              help="Submit only these tasks (resubmit those that did not finish).")
+@click.option("--submit", is_flag=True, help="Submit the array and the report job with sbatch.")
+@shared_options
+def slurm(paths, output_dir, tasks, cpus_per_task, time, partition, mem_per_cpu, node_cache,
+          only, submit, autograder, assignment, **options):
+    """Grade as a Slurm job array (one shard per task), then the report in a dependent job."""
+    from .grade.slurm import SlurmError
+
+    grade_args = []  # the shared options given, as `jaxlab grade` takes them
+    for param in click.get_current_context().command.params:
+        value = options.get(param.name)
+        if param.name in options and value is not None and value != param.default:
+            grade_args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
+    try:
+        only = [int(k) for k in only.split(",")] if only else None
+    except ValueError:
+        raise click.UsageError(f"--only takes task indexes like 1,3; got {only!r}") from None
+    try:
+        _grade_errors(lambda: slurm_api(
+            paths=list(paths), output_dir=output_dir, tasks=tasks, cpus_per_task=cpus_per_task,
+            time=time, partition=partition, mem_per_cpu=mem_per_cpu, node_cache=node_cache,
+            autograder=autograder, assignment=assignment, grade_args=grade_args, only=only,
+            submit=submit))
+    except SlurmError as exc:
+        raise click.ClickException(str(exc)) from None

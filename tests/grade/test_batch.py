@@ -275,3 +275,50 @@ def test_scores_match_otter_run_and_gradescope_json_has_its_shape(batch, lab, na
     row = batch["df"].loc[name]
     assert {t["name"]: t["score"] for t in theirs["tests"] if "score" in t} == \
         {q: float(row[q]) for q in POINTS}
+
+
+def test_report_page_in_a_real_browser_has_every_question_and_the_csv_counts(batch, tmp_path):
+    from html.parser import HTMLParser
+    from urllib.parse import unquote, urlparse
+
+    import matplotlib.image
+
+    import browser
+
+    out = batch["out"]
+    page = out / "report.html"
+    tree = browser.dom(page)
+
+    class Read(HTMLParser):
+        sections, rows, refs = [], [], []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if "data-question" in a:
+                self.sections.append(a)
+            if tag == "tr" and "data-file" in a:
+                self.rows.append(a["data-file"])
+            self.refs += [(tag, k, v) for k, v in attrs if k in ("href", "src")]
+
+    read = Read()
+    read.feed(tree)
+    df = pd.read_csv(out / "final_grades.csv").set_index("file")
+    possible, rows = df.loc["points-per-question"], df.drop("points-per-question")
+    assert [s["data-question"] for s in read.sections] == list(POINTS)  # notebook order
+    for s in read.sections:
+        q = s["data-question"]
+        col = rows[q].astype(float)
+        assert int(s["data-full-marks"]) == (col >= float(possible[q])).sum(), q
+        assert int(s["data-partial"]) == ((col > 0) & (col < float(possible[q]))).sum(), q
+        lost = int(s["data-zero"]) + int(s["data-error"]) + int(s["data-timed-out"])
+        assert lost == (col == 0).sum(), q
+    assert int(read.sections[2]["data-timed-out"]) >= 1  # hang.ipynb, killed on q3
+    assert sorted(read.rows) == sorted(rows.index)
+    # nothing fetched from anywhere: every reference is a link to a file beside the page
+    assert read.refs and all(tag == "a" and k == "href" for tag, k, _ in read.refs)
+    for _, _, ref in read.refs:
+        if not ref.startswith("#"):
+            assert not urlparse(ref).scheme and (out / unquote(ref)).is_file(), ref
+    png = browser.screenshot(page, tmp_path / "report.png")
+    image = matplotlib.image.imread(png)
+    assert image.shape[:2] == (2400, 1200) and image.std() > 0.05

@@ -119,3 +119,29 @@ def test_a_warm_up_that_cannot_be_graded_leaves_no_cache_and_the_batch_grades(la
     assert "could not grade" in capsys.readouterr().err
     assert warmup.read(warmup.folder_for(lab.autograder)) is None
     assert not list(warmup.folder_for(lab.autograder).parent.glob("*"))  # no leftovers
+
+
+def test_batches_starting_together_warm_once_the_others_wait_and_read_it(lab, tmp_path):
+    import threading
+    import time
+
+    calls = []
+
+    def grade_one(cache_dir, notebook):
+        calls.append(cache_dir)
+        time.sleep(1.0)  # the others arrive while this one warms
+        (cache_dir / "jit_entry").write_text("compiled")
+        return 4, 4, "Completed"
+
+    got = []
+    batches = [threading.Thread(target=lambda: got.append(warmup.warm(
+        zip_path=lab.autograder, notebook=lab.solution, grade_one=grade_one)))
+        for _ in range(3)]
+    for t in batches:
+        t.start()
+    for t in batches:
+        t.join()
+    assert len(calls) == 1
+    assert sorted(c.warmed_now for c in got) == [False, False, True]
+    assert {c.folder for c in got} == {warmup.folder_for(lab.autograder)}
+    assert (warmup.folder_for(lab.autograder) / "jit_entry").exists()

@@ -2,12 +2,12 @@
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import pathlib
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +16,7 @@ import time
 
 from tqdm import tqdm
 
-from . import cgroup, process, report, warmup
+from . import cgroup, process, report, shard as shards, warmup
 from .autograder import open_autograder, shipped_autograder
 from .kernel import cache_env
 from .sandbox import Mode, SandboxUnavailable, decide, disk_cap_reason, unmount_under
@@ -32,9 +32,13 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
           processes=Limits.processes, cpus=Limits.cpus, disk_mb=Limits.disk_mb, assignment=None,
           autograder=None, force=False, output_cap_mb=Limits.output_cap_mb, prestart=True,
           compile_cache=True, warm_up=None, xla_threads=None, pin_cpus=None,
-          sandbox=Mode.AUTO.value, resource_caps=True, show=True):
+          sandbox=Mode.AUTO.value, resource_caps=True, shard=None, show=True):
     """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran.
 
+    ``shard``: ``"K/N"`` grades only the submissions of shard K of N (``shard.shard_of``) and
+    writes only their records, summaries and Gradescope JSON into ``output_dir``, which other
+    shards share; ``jaxlab report`` (``report.report``) then writes the CSV, plot and page.
+    Without it the batch is one shard of one and writes everything itself.
     ``sandbox``: "auto" runs each kernel in a bubblewrap sandbox where bwrap runs here and says
     in every row where it does not; "require" refuses to grade without one; "off" never uses one.
     ``warm_up``: a trusted notebook (the lab's solution) graded once per autograder and machine
@@ -46,11 +50,18 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     three (the benchmark compares).
     """
     started = time.time()
+    part = shards.Shard.parse(shard) if shard is not None else shards.WHOLE
+    whole = part == shards.WHOLE
     out = pathlib.Path(output_dir)
-    subs = collect(paths, exclude=[out])
-    if not subs:
+    everything = collect(paths, exclude=[out])
+    if not everything:
         print("jaxlab grade: no .ipynb or .zip submissions found", file=sys.stderr)
         return False
+    # every shard sees the whole folder: the same `file` keys, the same autograder guess
+    subs = [s for s in everything if part.holds(s.file)]
+    if not whole:
+        print(f"jaxlab grade: shard {part} holds {len(subs)} of the {len(everything)} "
+              "submissions", file=sys.stderr)
     try:
         isolation = decide(sandbox)
     except SandboxUnavailable as exc:
@@ -69,17 +80,23 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     for reason in uncapped:
         print(f"jaxlab grade: {reason}", file=sys.stderr)
     row_notes = [n for n in (isolation.status, *uncapped) if n]
-    zip_path = autograder or shipped_autograder(assignment, [s.path for s in subs])
-    state = out / ".jaxlab"
-    (state / "records").mkdir(parents=True, exist_ok=True)
+    zip_path = autograder or shipped_autograder(assignment, [s.path for s in everything])
+    state = shards.state_dir(out)
+    (state / shards.RECORDS).mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-grade-"))
     process.set_subreaper()
     groups = None if no_cgroups else cgroup.Parent.find().child(scratch.name)
+    on_term = _exit_on_sigterm()
     try:
         ag = open_autograder(zip_path, scratch / "autograder")
         digests = {s.file: s.digest() for s in subs}
-        records = {} if force else _previous(state / "records", digests)
+        # the report step reads the autograder from here, on whichever machine it runs
+        manifest = shards.started(out, part, digests, report.keep_autograder(out, zip_path))
+        records = {} if force else shards.records_of(out, digests)
         pending = [s for s in subs if s.file not in records]
+        if not whole and show:
+            print(f"jaxlab grade: shard {part}: {len(records)} graded before, grading "
+                  f"{len(pending)}", file=sys.stderr)
         settings = Settings(
             autograder_root=str(ag.root), fingerprint=ag.fingerprint(), scratch=str(scratch),
             limits=Limits(timeout=timeout, cell_timeout=cell_timeout, memory_mb=memory_mb,
@@ -88,11 +105,13 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
             sandboxed=isolation.sandboxed, prestart=prestart, xla_threads=xla_threads,
             cgroup=groups and groups.to_dict(), disk_cap=no_disk_cap is None,
             reference_dir=str(warmup.reference_folder(zip_path)) if compile_cache else None,
-            log=str(state / "workers.log"))
-        n = max(1, min(workers or os.cpu_count() or 1, len(pending)))
-        cpus = sorted(os.sched_getaffinity(0))
+            log=str(state / ("workers.log" if whole else f"workers-{part.name}.log")))
+        cpus = sorted(os.sched_getaffinity(0))  # what this process may use (Slurm binds it)
+        n = max(1, min(workers or len(cpus), len(pending)))
         if pin_cpus is None:  # one kernel per core measured 15% faster than sharing both
-            pin_cpus = n <= len(cpus)
+            # a shard given more cores than workers shares them with others (pods on one
+            # node, shards started by hand), which would pin to the same first cores
+            pin_cpus = n <= len(cpus) and (whole or workers is None or workers >= len(cpus))
         # 0. the compilation cache every kernel reads, written once by a trusted notebook
         warm_up = warm_up or shipped_solution(zip_path)
         if compile_cache and warm_up and pending:
@@ -113,7 +132,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         jobs = queue.Queue()
         for s in pending:
             jobs.put({"submission": str(s.path), "file": s.file, "sha256": digests[s.file],
-                      "record": str(scratch / f"{_key(s.file)}.json")})
+                      "record": str(scratch / f"{shards.record_key(s.file)}.json")})
         done = queue.Queue()
         slots = [threading.Thread(target=_slot, daemon=True, args=(
                      dataclasses.replace(settings, cpu=cpus[i % len(cpus)] if pin_cpus else None),
@@ -121,22 +140,34 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
                  for i in range(n if pending else 0)]
         for t in slots:
             t.start()
+        csv_at, csv_took = -float("inf"), 0.0
         with tqdm(total=len(pending), unit="nb", desc="grading", disable=not show) as bar:
             for _ in pending:
                 record = done.get()
                 if row_notes:
                     record.status = "; ".join([record.status, *row_notes])
                 records[record.file] = record
-                record.write(state / "records" / f"{_key(record.file)}.json")
+                record.write(state / shards.RECORDS / f"{shards.record_key(record.file)}.json")
                 report.write_submission(out, record, ag)
-                report.write_csv(out, _ordered(records, subs), ag)
+                # a shard leaves the files every shard would write to the report; a whole
+                # batch keeps the CSV current, spending at most ~10% of its time rewriting it
+                # (2,000 rows take seconds; `jaxlab report` rebuilds it from the records)
+                if whole and time.monotonic() - csv_at >= 10 * csv_took:
+                    csv_at = time.monotonic()
+                    report.write_csv(out, _ordered(records, subs), ag)
+                    csv_took = time.monotonic() - csv_at
                 bar.update()
         for t in slots:
             t.join()
-        report.write_csv(out, _ordered(records, subs), ag)
-        report.plot_distribution(out, _ordered(records, subs), ag)
-        if show:
-            report.print_table(report.question_table(_ordered(records, subs), ag))
+        manifest.finished = time.time()
+        shards.write_manifest(out, manifest)
+        if whole:
+            report.write_class_report(out, _ordered(records, subs), ag)
+            if show:
+                report.print_table(report.question_table(_ordered(records, subs), ag))
+        elif show:
+            print(f"jaxlab grade: shard {part} done; once every shard is, `jaxlab report {out}` "
+                  "writes final_grades.csv and the class report", file=sys.stderr)
         return True
     finally:
         _sweep(started)
@@ -144,6 +175,20 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
             groups.remove()
         unmount_under(scratch)  # kernel folders a killed worker left mounted
         shutil.rmtree(scratch, ignore_errors=True)
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+
+
+def _exit_on_sigterm():
+    """Make SIGTERM (what scancel, kill and a Kubernetes pod's end send first) unwind the batch
+    like Ctrl-C, so that its kernels, cgroups and mounts are cleaned up; the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
 
 
 def _warm_up(settings, scratch, ag, cache_dir, notebook):
@@ -171,24 +216,8 @@ def _grade_one(settings, job):
     return _read_record(job) if ok else None
 
 
-def _key(file):
-    return hashlib.sha256(file.encode()).hexdigest()[:24]
-
-
 def _ordered(records, subs):
     return [records[s.file] for s in subs if s.file in records]
-
-
-def _previous(folder, digests):
-    records = {}
-    for path in folder.glob("*.json"):
-        try:
-            r = Record.read(path)
-        except (ValueError, TypeError, KeyError):  # unreadable or from an older jaxlab
-            continue
-        if digests.get(r.file) == r.sha256:
-            records[r.file] = r
-    return records
 
 
 def _worker_env(settings):

@@ -1,16 +1,117 @@
-"""Write what a batch produced: otter's final_grades.csv, summaries, Gradescope JSON, table, plot."""
+"""Write what a batch produced: otter's final_grades.csv, summaries, Gradescope JSON, table, plot
+and report.html; and ``jaxlab report``, which writes them from the records every shard left."""
 
+import hashlib
 import json
+import os
 import pathlib
 import re
+import shutil
+import sys
+import tempfile
 
 from otter.grade.utils import SCORES_DICT_FILE_KEY, SCORES_DICT_GRADING_STATUS_KEY, \
     merge_scores_to_df
 from otter.test_files import GradingResults, TestCase, TestCaseResult
 
+from . import shard as shards
+
 SUMMARIES = "grading-summaries"
 GRADESCOPE = "gradescope-results"
 PLOT = "score_distribution.png"
+CSV = "final_grades.csv"
+AUTOGRADERS = "autograder"  # under OUTDIR/.jaxlab: the zips records were graded with
+
+
+def report(*, output_dir="grades", show=True):
+    """Write final_grades.csv, the summaries, the Gradescope JSON, score_distribution.png and
+    report.html in ``output_dir`` from the records its shards wrote, as one batch grading every
+    submission there would have. True when every submission of the current split has a record;
+    otherwise what is graded is written, and the shards still to run are printed."""
+    out = pathlib.Path(output_dir)
+    split = shards.current_split(out)
+    files = split.files()
+    records = shards.records_of(out, files)
+    ordered = [records[f] for f in files if f in records]
+    names = {m.autograder for m in split.manifests.values() if m.autograder}
+    if len(names) != 1:
+        raise ValueError(f"the shards of {out} were graded with {len(names)} different "
+                         "autograders" if names else f"{out} names no autograder zip")
+    waiting = [f"shard {m.shard}: {k} not graded yet" for m in split.manifests.values()
+               if (k := sum(f not in records for f in m.files))]
+    if split.missing():
+        many = len(split.missing()) > 1
+        waiting.append(f"shard{'s' if many else ''} {_ranges(split.missing())} of "
+                       f"{split.count}: never started")
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-report-"))
+    try:
+        from .autograder import open_autograder
+
+        ag = open_autograder(shards.state_dir(out) / AUTOGRADERS / names.pop(), scratch)
+        for r in ordered:  # a shard wrote these as it graded; only a missing or older one again
+            if _older_than_record(out, r):
+                write_submission(out, r, ag)
+        write_class_report(out, ordered, ag, waiting=waiting)
+        if show:
+            print_table(question_table(ordered, ag))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if waiting:
+        print(f"jaxlab report: {len(ordered)} of {len(files)} submissions graded so far "
+              f"({'; '.join(waiting)}); run those shards again, then `jaxlab report` again",
+              file=sys.stderr)
+    elif show:
+        print(f"jaxlab report: {len(ordered)} submissions from {split.count} shard"
+              f"{'s' if split.count != 1 else ''} in {out / CSV}", file=sys.stderr)
+    return not waiting
+
+
+def _older_than_record(out, record):
+    record_time = (shards.state_dir(out) / shards.RECORDS /
+                   f"{shards.record_key(record.file)}.json").stat().st_mtime
+    for path in (out / SUMMARIES / f"{stem(record.file)}.txt",
+                 out / GRADESCOPE / f"{stem(record.file)}.json"):
+        try:
+            if path.stat().st_mtime < record_time:
+                return True
+        except FileNotFoundError:
+            return True
+    return False
+
+
+def _ranges(indexes):
+    """[0, 2, 3, 4, 7] -> "0, 2-4, 7"."""
+    runs = []
+    for i in sorted(indexes):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def keep_autograder(output_dir, zip_path):
+    """A copy of ``zip_path`` under OUTDIR/.jaxlab, named by its content (shards copying the
+    same zip write the same bytes under the same name, atomically); that name."""
+    data = pathlib.Path(zip_path).read_bytes()
+    name = f"{hashlib.sha256(data).hexdigest()[:20]}.zip"
+    folder = shards.state_dir(output_dir) / AUTOGRADERS
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / name).exists():
+        tmp = folder / f"{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(folder / name)
+    return name
+
+
+def write_class_report(out, records, autograder, waiting=()):
+    """final_grades.csv, score_distribution.png and report.html for ``records``; ``waiting``:
+    what is not graded yet, in words, for the page."""
+    from . import page
+
+    write_csv(out, records, autograder)
+    plot_distribution(out, records, autograder)
+    page.write(out, records, autograder, waiting=waiting)
 
 
 def results_of(record, autograder):
@@ -53,9 +154,9 @@ def write_csv(out, records, autograder):
     status = {r.file: r.status for r in records}
     rows = df[SCORES_DICT_FILE_KEY].isin(status)
     df.loc[rows, SCORES_DICT_GRADING_STATUS_KEY] = df.loc[rows, SCORES_DICT_FILE_KEY].map(status)
-    tmp = out / "final_grades.csv.tmp"
+    tmp = out / f"{CSV}.tmp"
     df.to_csv(tmp, index=False)
-    tmp.replace(out / "final_grades.csv")
+    tmp.replace(out / CSV)
     return df
 
 

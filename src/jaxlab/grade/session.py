@@ -33,6 +33,7 @@ class Watchdog(threading.Thread):
         self.kernel, self.deadline, self.cap = kernel, time.monotonic() + timeout, memory_bytes
         self.seen, self.kind, self.detail, self.peak, self.peak_tasks = {}, None, "", 0, 0
         self._halt = threading.Event()
+        self._deciding = threading.Lock()  # one thread decides to kill, and kills
 
     POLL_S = 0.2  # memory and clock
     TREE_EVERY = 5  # polls between looks for new processes: psutil scans all of /proc for
@@ -50,21 +51,42 @@ class Watchdog(threading.Thread):
             group = self.kernel.cgroup
             if group is not None:
                 self.peak_tasks = max(self.peak_tasks, group.tasks())
-            if group is not None and group.cap_hits():
-                # a fork or thread start failed: what it was for is broken, so this is a
-                # fault like the memory cap (the second run skips the cell)
-                self.kind = StopKind.PROCESSES
-                self.detail = f"it tried to run more than {group.processes} processes and " \
-                              "threads at once (the cap)"
-            elif rss > self.cap:
-                self.kind = StopKind.MEMORY
-                self.detail = f"memory use {rss / MiB:.0f} MiB went over the cap of " \
-                              f"{self.cap / MiB:.0f} MiB"
-            elif time.monotonic() > self.deadline:
-                self.kind = StopKind.TIMEOUT
-            if self.kind:
+            with self._deciding:  # the session may stop the kernel between two polls
+                if self.kind is None:
+                    if self._cap_hit():
+                        pass  # the kind and its words are set
+                    elif rss > self.cap:
+                        self.kind = StopKind.MEMORY
+                        self.detail = f"memory use {rss / MiB:.0f} MiB went over the cap of " \
+                                      f"{self.cap / MiB:.0f} MiB"
+                    elif time.monotonic() > self.deadline:
+                        self.kind = StopKind.TIMEOUT
+                    if self.kind:
+                        self.kernel.kill(self.seen.values())
+                if self.kind:
+                    return
+
+    def _cap_hit(self):
+        group = self.kernel.cgroup
+        if group is None or not group.cap_hits():
+            return False
+        # a fork or thread start failed: what it was for is broken, so this is a fault like
+        # the memory cap (the second run skips the cell)
+        self.kind = StopKind.PROCESSES
+        self.detail = f"it tried to run more than {group.processes} processes and threads " \
+                      "at once (the cap)"
+        return True
+
+    def stopped(self):
+        """Why the kernel was stopped (None: it was not), looking at the process cap now; a cap
+        hit kills the kernel here as at a poll (under the lock: killing from two threads at
+        once can hang jupyter_client). The session asks after each cell, so that a cell that
+        hits the cap and ends within one poll (a thread flood stops at its first refused start)
+        is the one blamed, not the cell running at the next poll."""
+        with self._deciding:
+            if self.kind is None and self._cap_hit():
                 self.kernel.kill(self.seen.values())
-                return
+            return self.kind
 
     def stop(self):
         self._halt.set()
@@ -182,6 +204,8 @@ class Session:
             self._collect(cell, index, time.monotonic() - start)
             if index is not None:
                 self.result.cell_seconds += kernel_seconds(cell)
+            if self.alive and self.dog.stopped():  # between two polls, after this cell
+                self.result.stop = Stop(self.dog.kind, index, index is None, self.dog.detail)
         return self.alive
 
     def _collect(self, cell, index, seconds):

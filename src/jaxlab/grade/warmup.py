@@ -10,9 +10,16 @@ Docker image is built once per autograder.
 
 The warm-up is also a check of the grading machine: a solution that does not score in full
 here says the environment differs from the one the autograder was built for.
+
+Batches that start together on one machine (the shards of a Slurm array on one node) warm it
+once: the first takes a lock (a file under ``locks/``) and warms, the others wait for the lock
+and read what it wrote. The kernel drops the lock of a grader that dies, so a killed warm-up is
+retried by the next batch.
 """
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -20,6 +27,7 @@ import os
 import pathlib
 import platform
 import shutil
+import sys
 import tempfile
 import time
 
@@ -103,6 +111,26 @@ def warm(*, zip_path, notebook, grade_one):
     if done is not None:
         return done
     final.parent.mkdir(parents=True, exist_ok=True)
+    locks = cache_root() / "locks"  # kept (unlinking a lock file races with its next user)
+    locks.mkdir(parents=True, exist_ok=True)
+    with _locked(locks / f"{final.name}.lock"):
+        done = read(final)  # warmed by the batch that held the lock before us
+        return done if done is not None else _warm(final, notebook, grade_one)
+
+
+@contextlib.contextmanager
+def _locked(path):
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"jaxlab grade: another batch on this machine is warming the compilation "
+                  f"cache; waiting for it ({path})", file=sys.stderr)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _warm(final, notebook, grade_one):
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{final.name}-warming-", dir=final.parent))
     tmp.chmod(0o755)  # the sandbox's user reads it
     start = time.monotonic()
