@@ -26,7 +26,7 @@ the sampled peak of anonymous memory, i.e. without page cache) and whether it fi
 plus the tampering), a control with the same wrong answer and the solution, each in its own
 container (``--jobs`` at once: keep jobs x cpu within this machine's cores), and checks that
 Task 1 scores zero and the status says TAMPERING for each tampering case, and every other
-question keeps its points.
+question keeps its points (except one the tampering itself breaks: ``ALSO_LOST``).
 
 Needs root (cgroups), cgroup v1 ``memory`` and ``cpu`` controllers and ``bwrap``.
 """
@@ -301,6 +301,11 @@ def tampering_cases(folder: pathlib.Path) -> dict[str, tuple[pathlib.Path, bool]
     return cases
 
 
+# Questions a tampering case breaks through the student's own cells, besides Task 1: the
+# object that replaces `A_sharded` has no `.devices()`, so Task 2's answer cell raises.
+ALSO_LOST = {"tamper-equal-to-anything": {"q2_inspect"}}
+
+
 def tampering(args, memory: int, logs: pathlib.Path) -> bool:
     """Grade the tampering cases side by side; print one line each; whether all came out right."""
     import concurrent.futures
@@ -318,8 +323,10 @@ def tampering(args, memory: int, logs: pathlib.Path) -> bool:
     for name, fit in fits.items():
         tampered = cases[name][1]
         q1, q1_max = fit.scores.get("q1_device_put", (None, None))
+        lost = {"q1_device_put", *ALSO_LOST.get(name, ())}
         others_full = bool(fit.scores) and all(
-            score == most for test, (score, most) in fit.scores.items() if test != "q1_device_put")
+            score == (0 if test in lost else most)
+            for test, (score, most) in fit.scores.items() if test != "q1_device_put")
         right = (others_full and fit.wall_s < min(args.wall, WALL_DEFAULT) and
                  (q1 == 0 and "TAMPERING" in fit.status if tampered else
                   q1 == (q1_max if name == "solution" else 0) and "TAMPERING" not in fit.status))
