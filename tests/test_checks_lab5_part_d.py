@@ -243,6 +243,28 @@ def test_the_notebook_launch_reports_a_failure_and_stops_the_rest(notebook_launc
     assert not leftover_processes()
 
 
+def test_the_notebook_launch_says_when_this_machine_has_no_address(notebook_launch, tmp_path):
+    """gloo looks up the machine's own name; where it has no address (a chroot, some containers)
+    the processes fail with `gloo/transport/tcp/device.cc:99 rv == 0`: say what to fix."""
+    import socket
+
+    def no_address(host, *args, **kwargs):
+        if host == "student-box":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return socket.getaddrinfo(host, *args, **kwargs)
+
+    notebook_launch["socket"] = types.SimpleNamespace(
+        **{**vars(socket), "gethostname": lambda: "student-box", "getaddrinfo": no_address})
+    (tmp_path / "bad.py").write_text("raise SystemExit(1)\n")
+    with pytest.raises(RuntimeError) as info:
+        notebook_launch["launch"]("bad.py")
+    assert "add the line `127.0.0.1 student-box` to /etc/hosts" in str(info.value)
+    notebook_launch["socket"] = socket  # where the name resolves, no such advice
+    with pytest.raises(RuntimeError) as info:
+        notebook_launch["launch"]("bad.py")
+    assert "/etc/hosts" not in str(info.value)
+
+
 def test_the_notebook_launch_stops_both_at_its_timeout(notebook_launch, tmp_path):
     (tmp_path / "slow.py").write_text("import time\nprint('started', flush=True)\n"
                                       "time.sleep(600)\n")

@@ -1150,6 +1150,17 @@ def pd_free_port():
         return s.getsockname()[1]
 
 
+def pd_unnamed_host():
+    """This machine's name when it has no address here (gloo, JAX's CPU collectives, looks it
+    up to know where to listen; some containers and chroots lack it), else None."""
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError:
+        return name
+    return None
+
+
 def pd_tail(text, lines=15):
     return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
@@ -1197,6 +1208,11 @@ def launch(script, *args, num_processes=2, timeout=PD_TIMEOUT):
             report.append(f"process {i}: {state}; its last lines:\n{pd_tail(out)}")
         why = (f"were not all done after {timeout} s" if all(p.returncode in (0, -9) for p in procs)
                else "did not all succeed")
+        name = pd_unnamed_host()
+        if name:
+            report.append(f"This machine's name, {name!r}, has no address here, and the processes "
+                          f"need one to reach each other: add the line `127.0.0.1 {name}` to "
+                          "/etc/hosts (or ask whoever runs this machine), then launch again.")
         raise RuntimeError(f"the processes of `python {script}` {why}.\n\n" + "\n\n".join(report))
     return outputs
 
