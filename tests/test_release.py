@@ -70,6 +70,30 @@ def test_student_release_holds_no_solution_code_and_no_hidden_test(lab):
 
 
 @pytest.mark.parametrize("lab", LABS)
+def test_solution_release_reads_without_otter_markers(lab):
+    """solutions/ holds every solution line of the master, without otter's markers or prompts."""
+    nb = nbformat.read(release_paths(lab)["solution"], as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    text = "\n".join(c.source for c in code)
+    assert not re.search(r"# (BEGIN|END) (SOLUTION|PROMPT)|# SOLUTION\b", text)
+    shown = [o for c in code for o in c.outputs
+             if "BEGIN PROMPT" in str(o.get("data", {}).get("text/plain", ""))]
+    assert shown == []
+    solution, _ = _split_master(release_paths(lab)["master"])
+    missing = [line for line in solution if line and line not in text]
+    assert missing == [], f"solution lines missing from solutions/: {missing[:5]}"
+
+
+def test_otter_markers_are_removed_by_otters_own_syntax():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
+        "a = f(x)  # SOLUTION\n# BEGIN SOLUTION NO PROMPT\nshow(a)\n# END SOLUTION",
+        "# BEGIN SOLUTION\ng = 1\n# END SOLUTION\n\"\"\" # BEGIN PROMPT\ng = ...\n\"\"\" # END PROMPT",
+        "print('# SOLUTION is a word here')")])
+    assert [c.source for c in release.without_otter_markers(nb).cells] == [
+        "a = f(x)\nshow(a)", "g = 1", "print('# SOLUTION is a word here')"]
+
+
+@pytest.mark.parametrize("lab", LABS)
 def test_autograder_zip_pins_the_grading_environment(lab):
     with zipfile.ZipFile(release_paths(lab)["autograder"]) as zf:
         env = zf.read("environment.yml").decode()

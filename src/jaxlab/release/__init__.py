@@ -128,6 +128,32 @@ def normalise_notebook(nb):
     return nb
 
 
+# otter assign's autograder notebook (published as solutions/) keeps otter's markers, and a
+# cell that ends with its `""" # BEGIN PROMPT ... """ # END PROMPT` block shows that string as
+# its output. otter has no function that removes them (its own only strip solutions for
+# students), so solutions/ gets these rules, which are otter's marker syntax
+# (otter.assign.solutions): marker lines and prompt blocks go, `# SOLUTION` suffixes go.
+_MARKER_LINE = re.compile(r"\s*#\s*(BEGIN|END) SOLUTION( NO PROMPT)?\s*$")
+_MARKER_SUFFIX = re.compile(r"\s*# SOLUTION( NO PROMPT)?\s*$")
+
+
+def without_otter_markers(nb):
+    """The solution notebook as a reader wants it: the solutions' code without otter's markers."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept, in_prompt = [], False
+        for line in cell.source.split("\n"):
+            if line.rstrip().endswith("# BEGIN PROMPT"):
+                in_prompt = True
+            elif line.rstrip().endswith("# END PROMPT"):
+                in_prompt = False
+            elif not in_prompt and not _MARKER_LINE.match(line):
+                kept.append(_MARKER_SUFFIX.sub("", line))
+        cell.source = "\n".join(kept).rstrip("\n")
+    return nb
+
+
 def write_notebook(nb, path):
     nbformat.validate(nb)
     pathlib.Path(path).write_text(nbformat.writes(nb) + "\n")
@@ -231,7 +257,8 @@ def _generate(root, name, workdir, *, colab_url=None):
     stable = workdir / f"{name}-autograder.zip"
     write_stable_zip(zips[0], stable, extra=engine_entries())
     solution = nbformat.read(dist / "autograder" / notebook, as_version=4)
-    solution = normalise_notebook(make_standalone(solution, notebook, files))
+    solution = normalise_notebook(make_standalone(without_otter_markers(solution), notebook,
+                                                  files))
     return student, stable, solution
 
 
