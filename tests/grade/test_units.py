@@ -204,3 +204,29 @@ def test_the_sandbox_host_name_resolves_to_its_own_loopback(tmp_path):
     run = subprocess.run([*sandbox.bwrap_argv(folder), sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=60)
     assert run.stdout.split() == [sandbox.SANDBOX_HOSTNAME, "127.0.0.1"], run.stderr
+
+
+def test_a_claim_that_disagrees_is_tampering_except_where_the_verdict_rests_on_timings(tmp_path):
+    """Lab 3's q9 times calls: the kernel's own check times again, so its passing claim beside a
+    failing verdict is load; on q1 the same disagreement is flagged. Points follow the verdict."""
+    from jaxlab.checks import lab3
+    from jaxlab.grade import judge
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    with zipfile.ZipFile(root / "autograder" / "lab3-parallelism-autograder.zip") as zf:
+        zf.extractall(tmp_path / "ag")
+    autograder = read_autograder(tmp_path / "ag")
+    layout = EvidenceLayout(tmp_path / "evidence")
+    layout.folder.mkdir()
+    claimed = ["q1_device_put", "q9_timing"]
+    for q in claimed:
+        cases = [[True, ""] for _ in autograder.tests[q].test_cases]
+        layout.claim(q).write_text(json.dumps({"cases": cases}))
+    decided = judge.verdicts(autograder, lab3, layout)  # no probe evidence: every verdict fails
+    assert [q for q, v in decided.items() if v.measured] == ["q9_timing"] == list(lab3.MEASURED)
+    judgement = judge.score(autograder, decided, layout)
+    assert judgement.flags == [
+        "the kernel reported q1_device_put as passed but the trusted check failed"]
+    points = {tf.name: sum(tc.points or 0 for tc, r in zip(tf.test_cases, tf.test_case_results)
+                           if r.passed) for tf in judgement.test_files}
+    assert points["q1_device_put"] == points["q9_timing"] == 0

@@ -751,5 +751,10 @@ QUESTIONS = {
                                _probe_timing),
 }
 
+# Verdicts that rest on timings: the kernel's own check (its claim) times again, at another
+# moment, so a claim that passes where the verdict fails is load, not tampering (seen once under
+# a load of ~30 on 2 cores). The verdict still decides the points.
+MEASURED = ("q9_timing",)
+
 probe, verdict, check = form.entry_points(QUESTIONS)
 JAXLAB_CHECKS = 1  # declares the probe/verdict contract `jaxlab grade` relies on

@@ -25,6 +25,9 @@ class Verdict:
     message: str | None  # why it failed, for the student
     outcome: str  # "pass" | "fail" | "error" | "timeout"
     suspicious: tuple = ()  # graded names whose value claims to equal any object
+    # the verdict rests on timings measured in the kernel (the checks module's MEASURED): the
+    # kernel's own check measures again at another moment, so disagreeing is not tampering
+    measured: bool = False
 
 
 @dataclasses.dataclass
@@ -38,7 +41,9 @@ def verdicts(autograder, checks, layout, no_answers_reason=None):
     """question -> Verdict, for the questions the checks module covers (none without one)."""
     if checks is None:
         return {}
-    return {q: _verdict(checks, q, layout.probe(q), no_answers_reason)
+    measured = set(getattr(checks, "MEASURED", ()))
+    return {q: dataclasses.replace(_verdict(checks, q, layout.probe(q), no_answers_reason),
+                                   measured=q in measured)
             for q in autograder.tests if q in checks.QUESTIONS}
 
 
@@ -55,7 +60,7 @@ def score(autograder, decided, layout, no_answers_reason=None):
             claimed = claim[i] if i < len(claim) else None
             if v is not None and tc.points:
                 results.append(TestCaseResult(tc, None if v.passed else v.message, v.passed))
-                if claimed and claimed[0] and not v.passed:
+                if claimed and claimed[0] and not v.passed and not v.measured:
                     cheated.append(q)
             elif claimed is not None:
                 results.append(TestCaseResult(tc, claimed[1] or None, claimed[0]))
