@@ -12,7 +12,10 @@ never receive.
 
 import json
 import math
+import os
 import pathlib
+import re
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -419,3 +422,78 @@ def expect_operands_split(name, program, shape, what, dim, wanted):
         raise AssertionError(
             f"`{name}` hands {what} (shape {tuple(shape)}) to jax.shard_map {found} (in_specs "
             f"{spec_repr(spec) if spec else 'P()'}); expected what the task says: {wanted}.")
+
+
+# --------------------------------------------------------------------------- for hidden checks
+# Helpers every lab's hidden checks use (they know no answer): one copy, here, because the
+# checks modules ship alone beside this one and cannot import each other.
+CHECKS_FILE = re.compile(r"(jaxlab_)?(lab\d+|form)\.py")
+
+
+def fail(message):
+    raise AssertionError(message)
+
+
+def fresh_rng():
+    """A generator for fresh inputs: other draws on every check, so no answer can be memorised."""
+    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+def check_devices(count):
+    """``count`` devices to check on: the runtime's own, or its CPU devices where it has fewer
+    (one GPU)."""
+    import jax
+
+    devices = jax.devices() if len(jax.devices()) >= count else jax.devices("cpu")
+    return devices[:count]
+
+
+def student_error(exc):
+    """An exception raised by the student's code, in one line, with the line of their code."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "-packages" not in f.filename
+              and not CHECKS_FILE.fullmatch(os.path.basename(f.filename))]
+    where = f" (line {frames[-1].lineno} of your code)" if frames else ""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:400] + where
+
+
+def label(text):
+    """``text`` as a message names it: in backticks unless it already quotes a name."""
+    return text if "`" in text else f"`{text}`"
+
+
+def expect_close(name, actual, expected, what, *, rtol, atol):
+    """``actual`` (the student's ``name``) equals ``expected`` within the lab's tolerances."""
+    name = label(name)
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        fail(f"{name} has shape {actual.shape}; expected {expected.shape} ({what}).")
+    if not np.all(np.isfinite(actual)):
+        fail(f"{name} contains NaN or infinite values; expected {what}.")
+    if not np.allclose(actual, expected, rtol=rtol, atol=atol):
+        worst = float(np.max(np.abs(actual - expected)))
+        fail(f"{name} has the wrong values: expected {what}, but they differ by up to "
+             f"{worst:.3g} (tolerance: rtol={rtol:g}, atol={atol:g}).")
+
+
+def fresh_record(name, ev, call):
+    """The probe's record of calling the student's function ``name`` on new data (``call`` in
+    words); fails if it could not run."""
+    expect_callable(name, ev[name])
+    fresh = ev.get("fresh")
+    if fresh is None:
+        fail(f"`{name}` could not be tried on new data.")
+    if "error" in fresh:
+        fail(f"`{call}` on new data raised {fresh['error']}; it should work for any inputs "
+             "of the layout the task describes.")
+    return fresh
+
+
+def expect_jitted(name, program):
+    if not is_jit_wrapped(program):
+        top = ", ".join(f"`{p}`" for p in program["top"]) or "nothing"
+        fail(f"`{name}` is not wrapped in jax.jit: traced as you wrote it, its program runs "
+             f"{top} at the top level instead of one `jit` call. The task says \"Wrap it in "
+             "`jax.jit`\" (decorate it with @jax.jit, or assign jax.jit(...) to it).")

@@ -308,21 +308,11 @@ def _train_reference(n, sizes, epochs, step_size):
 
 
 # --------------------------------------------------------------------------- verdict helpers
-def _fail(message):
-    raise AssertionError(message)
+_fail = form.fail
 
 
 def _close(name, ev, expected, what, rtol=RTOL, atol=ATOL):
-    actual = np.asarray(ev["value"], dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    if actual.shape != expected.shape:
-        _fail(f"`{name}` has shape {actual.shape}; expected {expected.shape} ({what}).")
-    if not np.all(np.isfinite(actual)):
-        _fail(f"`{name}` contains NaN or infinite values; expected {what}.")
-    if not np.allclose(actual, expected, rtol=rtol, atol=atol):
-        worst = float(np.max(np.abs(actual - expected)))
-        _fail(f"`{name}` has the wrong values: expected {what}, but they differ by up to "
-              f"{worst:.3g} (tolerance: rtol={rtol:g}, atol={atol:g}).")
+    form.expect_close(name, ev["value"], expected, what, rtol=rtol, atol=atol)
 
 
 def _mesh_words(sev):

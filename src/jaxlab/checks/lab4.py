@@ -16,9 +16,7 @@ import collections
 import contextlib
 import functools
 import io
-import os
 import re
-import traceback
 
 import numpy as np
 
@@ -67,15 +65,11 @@ Params = collections.namedtuple("Params", "weight bias")
 
 
 # --------------------------------------------------------------------------- probes
-def _rng():
-    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+_rng = form.fresh_rng
 
 
 def _devices():
-    import jax
-
-    devices = jax.devices() if len(jax.devices()) >= N_DEVICES else jax.devices("cpu")
-    return devices[:N_DEVICES]
+    return form.check_devices(N_DEVICES)
 
 
 def _mesh(axis):
@@ -92,13 +86,7 @@ def _put(value, mesh, *spec):
     return jax.device_put(value, NamedSharding(mesh, P(*spec)))
 
 
-def _error(exc):
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "-packages" not in f.filename and os.path.basename(f.filename) not in
-              ("lab4.py", "jaxlab_lab4.py")]
-    where = f" (line {frames[-1].lineno} of your code)" if frames else ""
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:400] + where
+_error = form.student_error
 
 
 def _params_evidence(value):
@@ -373,21 +361,10 @@ def _trained_reference():
 
 
 # --------------------------------------------------------------------------- verdict helpers
-def _fail(message):
-    raise AssertionError(message)
+_fail = form.fail
 
 
-def _close(name, actual, expected, what, rtol=RTOL, atol=ATOL):
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    if actual.shape != expected.shape:
-        _fail(f"`{name}` has shape {actual.shape}; expected {expected.shape} ({what}).")
-    if not np.all(np.isfinite(actual)):
-        _fail(f"`{name}` contains NaN or infinite values; expected {what}.")
-    if not np.allclose(actual, expected, rtol=rtol, atol=atol):
-        worst = float(np.max(np.abs(actual - expected)))
-        _fail(f"`{name}` has the wrong values: expected {what}, but they differ by up to "
-              f"{worst:.3g} (tolerance: rtol={rtol:g}, atol={atol:g}).")
+_close = functools.partial(form.expect_close, rtol=RTOL, atol=ATOL)
 
 
 def _is_multiple(actual, expected, factor, rtol=GRAD_RTOL, atol=GRAD_ATOL):
@@ -404,17 +381,7 @@ def _uses(jaxpr, collective):
     return bool(_primitives(jaxpr) & set(COLLECTIVES[collective]))
 
 
-def _fresh(name, ev, call):
-    """The probe's record of calling the student's function; fails if it could not run."""
-    expect = form.expect_callable
-    expect(name, ev[name])
-    fresh = ev.get("fresh")
-    if fresh is None:
-        _fail(f"`{name}` could not be tried on new data.")
-    if "error" in fresh:
-        _fail(f"`{call}` on new data raised {fresh['error']}; it should work for any inputs "
-              "of the layout the task describes.")
-    return fresh
+_fresh = form.fresh_record
 
 
 def _method(name, fresh, required=(), forbidden=(), shard_map=True, why=""):
@@ -453,12 +420,7 @@ def _one_scalar_collective(name, fresh, words):
 
 
 def _jitted(name, fresh):
-    program = fresh["program"]
-    if not form.is_jit_wrapped(program):
-        top = ", ".join(f"`{p}`" for p in program["top"]) or "nothing"
-        _fail(f"`{name}` is not wrapped in jax.jit: traced as you wrote it, its program runs "
-              f"{top} at the top level instead of one `jit` call. The task says \"Wrap it in "
-              "`jax.jit`\" (decorate it with @jax.jit, or assign jax.jit(...) to it).")
+    form.expect_jitted(name, fresh["program"])
 
 
 _operand_layout = form.expect_operands_split

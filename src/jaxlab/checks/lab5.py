@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import numpy as np
 
@@ -63,24 +62,14 @@ COMMUNICATION = {p for prims in COLLECTIVES.values() for p in prims}
 
 
 # =========================================================================== shared: probes
-def _rng():
-    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+_rng = form.fresh_rng
 
 
 def _devices():
-    import jax
-
-    devices = jax.devices() if len(jax.devices()) >= N_DEVICES else jax.devices("cpu")
-    return devices[:N_DEVICES]
+    return form.check_devices(N_DEVICES)
 
 
-def _error(exc):
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "-packages" not in f.filename and os.path.basename(f.filename) not in
-              ("lab5.py", "jaxlab_lab5.py")]
-    where = f" (line {frames[-1].lineno} of your code)" if frames else ""
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:400] + where
+_error = form.student_error
 
 
 def _is_mesh(value):
@@ -206,27 +195,13 @@ def _trace(fn, *args):
 
 
 # =========================================================================== shared: verdicts
-def _fail(message):
-    raise AssertionError(message)
+_fail = form.fail
 
 
-def _label(text):
-    """``text`` as a message names it: in backticks unless it already quotes a name."""
-    return text if "`" in text else f"`{text}`"
+_label = form.label
 
 
-def _close(name, actual, expected, what, rtol=RTOL, atol=ATOL):
-    name = _label(name)
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    if actual.shape != expected.shape:
-        _fail(f"{name} has shape {actual.shape}; expected {expected.shape} ({what}).")
-    if not np.all(np.isfinite(actual)):
-        _fail(f"{name} contains NaN or infinite values; expected {what}.")
-    if not np.allclose(actual, expected, rtol=rtol, atol=atol):
-        worst = float(np.max(np.abs(actual - expected)))
-        _fail(f"{name} has the wrong values: expected {what}, but they differ by up to "
-              f"{worst:.3g} (tolerance: rtol={rtol:g}, atol={atol:g}).")
+_close = functools.partial(form.expect_close, rtol=RTOL, atol=ATOL)
 
 
 def _is_factor(k):
@@ -261,16 +236,7 @@ def _loss_value(call, out, ref_loss, factor_words, what):
     _close(call, value, ref_loss, what, rtol=GRAD_RTOL, atol=GRAD_ATOL)
 
 
-def _fresh(name, ev, call):
-    """The probe's record of calling the student's function; fails if it could not run."""
-    form.expect_callable(name, ev[name])
-    fresh = ev.get("fresh")
-    if fresh is None:
-        _fail(f"`{name}` could not be tried on new data.")
-    if "error" in fresh:
-        _fail(f"`{call}` on new data raised {fresh['error']}; it should work for any inputs "
-              "of the layout the task describes.")
-    return fresh
+_fresh = form.fresh_record
 
 
 def _program_of(name, fresh):
@@ -306,12 +272,7 @@ def _uses_shard_map(name, program, what):
               f"expected what the task asks for: {what}.")
 
 
-def _jitted(name, program):
-    if not form.is_jit_wrapped(program):
-        top = ", ".join(f"`{p}`" for p in program["top"]) or "nothing"
-        _fail(f"`{name}` is not wrapped in jax.jit: traced as you wrote it, its program runs "
-              f"{top} at the top level instead of one `jit` call. The task says \"Wrap it in "
-              "`jax.jit`\" (decorate it with @jax.jit, or assign jax.jit(...) to it).")
+_jitted = form.expect_jitted
 
 
 def _communication(program):
