@@ -274,3 +274,25 @@ def test_the_notebook_launch_stops_both_at_its_timeout(notebook_launch, tmp_path
     assert "were not all done after 3 s" in text and text.count("stopped: still running") == 2
     assert "started" in text
     assert not leftover_processes()
+
+
+def test_gloo_chatter_goes_however_its_threads_interleave_it(notebook_launch, tmp_path):
+    """gloo writes each connection message a piece at a time from several threads (seen in a
+    release: '[Gloo] Rank \\n5 is connected to 7 peer ranks. '): every interleaving of four
+    threads' pieces between two of the script's lines leaves exactly the script's lines."""
+    import random
+
+    rng = random.Random(0)
+    wanted = "process 1: before\nprocess 1: after 52\n12 rows\n"
+    for trial in range(2000):
+        pieces = [["[Gloo] Rank ", str(rank), " is connected to ", "7", " peer ranks. ",
+                   "Expected number of connected peer ranks is : ", "7", "\n"]
+                  for rank in range(4, 8)]
+        chatter = []
+        while any(pieces):
+            chatter.append(rng.choice([p for p in pieces if p]).pop(0))
+        text = "process 1: before\n" + "".join(chatter) + "process 1: after 52\n12 rows\n"
+        assert notebook_launch["pd_quiet"](text) == wanted, text
+        log = tmp_path / "log.txt"
+        log.write_text(text)
+        assert lab5._pd_read_log(log) == wanted, text

@@ -1136,11 +1136,15 @@ import time
 
 PD_TIMEOUT = 120  # seconds; a launch of this part's scripts takes about 5 s on one core
 PD_GRACE = 5  # seconds the other processes get to finish once one has failed
-# gloo reports every connection it makes, from several threads at once (so its messages can be
-# cut in two by other lines); that says nothing here
+# gloo reports every connection it makes, a piece at a time from several threads at once (so
+# one message can be cut by another's pieces or by newlines); that says nothing here: any run of
+# its phrases and the numbers between them goes
+PD_GLOO_WORDS = (r"\[Gloo\]\s+Rank|is\s+connected\s+to|peer\s+ranks\."
+                 r"|Expected\s+number\s+of\s+connected\s+peer\s+ranks\s+is\s*:")
 PD_GLOO_NOISE = re.compile(
-    r"\[Gloo\]\s+Rank\s+\d+\s+is\s+connected\s+to\s+\d+\s+peer\s+ranks\.[ \t]*"
-    r"|Expected\s+number\s+of\s+connected\s+peer\s+ranks\s+is\s+:\s+\d+")
+    rf"[ \t]*(?:{PD_GLOO_WORDS})"
+    rf"(?:\s*(?:{PD_GLOO_WORDS})|\s*\d+(?=\s*(?:{PD_GLOO_WORDS})|[ \t]*(?:\n|\Z))"
+    r"|[ \t]*\d+)*(?:[ \t]*\n(?=[ \t]*\n))*[ \t]*")
 
 
 def pd_free_port():

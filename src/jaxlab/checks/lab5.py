@@ -1045,11 +1045,15 @@ PD_LOG_TAIL = 4000  # characters of each process's output kept as evidence
 PD_SCRIPT = "pd_train.py"
 PD_MODEL = "pd_model.py"
 PD_BOOT = "pd_boot.py"
-# gloo's report of every connection it makes, written by several threads at once (so other lines
-# can cut it in two): not the student's output
+# gloo's report of every connection it makes, written a piece at a time by several threads at
+# once (so one message can be cut by another's pieces or by newlines): not the student's output;
+# any run of its phrases and the numbers between them goes
+PD_GLOO_WORDS = (r"\[Gloo\]\s+Rank|is\s+connected\s+to|peer\s+ranks\."
+                 r"|Expected\s+number\s+of\s+connected\s+peer\s+ranks\s+is\s*:")
 PD_GLOO_NOISE = re.compile(
-    r"\[Gloo\]\s+Rank\s+\d+\s+is\s+connected\s+to\s+\d+\s+peer\s+ranks\.[ \t]*"
-    r"|Expected\s+number\s+of\s+connected\s+peer\s+ranks\s+is\s+:\s+\d+")
+    rf"[ \t]*(?:{PD_GLOO_WORDS})"
+    rf"(?:\s*(?:{PD_GLOO_WORDS})|\s*\d+(?=\s*(?:{PD_GLOO_WORDS})|[ \t]*(?:\n|\Z))"
+    r"|[ \t]*\d+)*(?:[ \t]*\n(?=[ \t]*\n))*[ \t]*")
 
 # pd_model.py exactly as the notebook writes it (a test compares the two)
 PD_MODEL_SOURCE = '''\
