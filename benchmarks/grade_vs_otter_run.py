@@ -10,7 +10,7 @@ compilation cache, XLA threads) can be compared with ``--variant``. Also printed
 same run:
 
 * the warm-up: before the variants, one batch of one copy grades the lab's solution once to
-  write the compilation cache every kernel reads (``jaxlab.grade.warmup``; on a real machine
+  write the compilation cache every kernel reads (``jaxlab.grade.engine.warmup``; on a real machine
   once per autograder, kept between batches). Its time is printed and not counted in the
   variants; ``JAXLAB_CACHE_DIR`` points into this run's temporary folder, so it is always cold;
 * the floor: the student's own cells, nothing else (no probe, no kernel start, no grader), run
@@ -45,12 +45,13 @@ import pandas as pd
 import psutil
 from nbclient import NotebookClient
 
-from jaxlab.grade import grade, warmup
-from jaxlab.grade.autograder import open_autograder
-from jaxlab.grade.cells import student_cells
-from jaxlab.grade.kernel import Kernel, kernel_env
+from jaxlab.grade import grade
+from jaxlab.grade.engine import warmup
+from jaxlab.grade.engine.autograder import open_autograder
+from jaxlab.grade.engine.cells import student_cells
+from jaxlab.grade.engine.kernel import Kernel, kernel_env
 from jaxlab.grade.model import Record
-from jaxlab.grade.session import kernel_seconds
+from jaxlab.grade.engine.session import kernel_seconds
 
 VARIANTS = {
     "default": {},  # sandboxed where bubblewrap runs
@@ -122,7 +123,7 @@ class WorkerMemory(threading.Thread):
         while not self.halt.wait(0.2):
             for proc in me.children(recursive=True):
                 try:
-                    if "jaxlab.grade.worker" not in " ".join(proc.cmdline()):
+                    if "jaxlab.grade.engine.worker" not in " ".join(proc.cmdline()):
                         continue
                     own = proc.memory_info().rss
                     tree = own + sum(c.memory_info().rss for c in proc.children(recursive=True))

@@ -40,10 +40,10 @@ import nbformat
 
 from jaxlab.grade import grade
 from jaxlab.grade.model import Record
-from jaxlab.grade.report import CSV, keep_autograder
-from jaxlab.grade.shard import Manifest, Shard, current_split, record_key, shard_of, \
-    write_manifest
-from jaxlab.grade.slurm import slurm
+from jaxlab.grade.output.results import CSV
+from jaxlab.grade.run.shard import Manifest, Shard, current_split, keep_autograder, record_key, \
+    shard_of, write_manifest
+from jaxlab.grade.run.slurm import slurm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAB = "lab3-parallelism"

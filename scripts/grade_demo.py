@@ -24,7 +24,7 @@ import threading
 import nbformat
 import pandas as pd
 
-from jaxlab.grade import warmup
+from jaxlab.grade.engine import warmup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAB = "lab3-parallelism"

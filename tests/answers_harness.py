@@ -39,7 +39,7 @@ import zipfile
 import nbformat
 import yaml
 
-from jaxlab.grade.report import in_notebook_order
+from jaxlab.grade.output.tally import in_notebook_order
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ANSWERS = ROOT / "tests" / "answers"

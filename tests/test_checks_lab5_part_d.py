@@ -186,7 +186,7 @@ def test_the_error_of_a_chained_traceback_and_its_line_in_the_script():
 def test_gloo_between_two_processes_works_inside_the_grading_sandbox_on_one_core(tmp_path):
     """jaxlab grade's bubblewrap sandbox: no network but its own loopback, its own host name,
     one core. The checks run there as the flat modules of the autograder zip."""
-    from jaxlab.grade import sandbox
+    from jaxlab.grade.engine import sandbox
 
     reason = sandbox.unavailable_reason()
     if reason:

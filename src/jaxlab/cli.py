@@ -6,9 +6,9 @@ import inspect
 
 import click
 
-from .grade import grade as grade_api
-from .grade.sandbox import Mode
-from .grade.slurm import slurm as slurm_api
+from .grade.engine.sandbox import Mode
+from .grade.run.batch import grade as grade_api
+from .grade.run.slurm import slurm as slurm_api
 
 SANDBOX_MODES = [m.value for m in Mode]
 # the CLI shows and passes the API's own defaults, which live in one place
@@ -112,7 +112,7 @@ def report(output_dir):
 
     Exits non-zero while some shard's submissions have no record yet (what is graded is
     written all the same, and the missing shards are named)."""
-    from .grade.report import report as report_api
+    from .grade.run.report import report as report_api
 
     ok = _grade_errors(lambda: report_api(output_dir=output_dir))
     sys.exit(0 if ok else 1)
@@ -122,7 +122,7 @@ def report(output_dir):
 @click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
 def status(output_dir):
     """Done, failed and remaining submissions per shard of OUTPUT_DIR."""
-    from .grade.shard import status as status_api
+    from .grade.run.shard import status as status_api
 
     rows = _grade_errors(lambda: status_api(output_dir=output_dir))
     sys.exit(0 if all(r.remaining == 0 for r in rows) else 1)
@@ -148,7 +148,7 @@ def status(output_dir):
 def slurm(paths, output_dir, tasks, cpus_per_task, time, partition, mem_per_cpu, node_cache,
           only, submit, autograder, assignment, **options):
     """Grade as a Slurm job array (one shard per task), then the report in a dependent job."""
-    from .grade.slurm import SlurmError
+    from .grade.run.slurm import SlurmError
 
     grade_args = []  # the shared options given, as `jaxlab grade` takes them
     for param in click.get_current_context().command.params:

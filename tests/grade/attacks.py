@@ -79,7 +79,7 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
         with open(f"/proc/{{pid}}/cmdline", "rb") as f:
             cmdline = f.read()
-            if b"jaxlab.grade.worker" in cmdline or b"jaxlab\\x00grade" in cmdline:
+            if b"jaxlab.grade.engine.worker" in cmdline or b"jaxlab\\x00grade" in cmdline:
                 os.kill(int(pid), signal.SIGCONT)
                 hit.append(int(pid))
     except OSError:

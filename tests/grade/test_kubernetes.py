@@ -13,7 +13,7 @@ import sys
 import pandas as pd
 import yaml
 
-from jaxlab.grade.shard import shard_of
+from jaxlab.grade.run.shard import shard_of
 
 from nbedit import answer_cell, write
 

@@ -11,7 +11,7 @@ import nbformat
 import pandas as pd
 
 from jaxlab.grade import grade
-from jaxlab.grade.autograder import open_autograder
+from jaxlab.grade.engine.autograder import open_autograder
 
 from nbedit import write
 

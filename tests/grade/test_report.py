@@ -3,8 +3,8 @@ import types
 import matplotlib.image
 
 from jaxlab.grade.model import Record
-from jaxlab.grade.report import PLOT, in_notebook_order, per_question, plot_distribution, \
-    question_table
+from jaxlab.grade.output.plot import PLOT, plot_distribution
+from jaxlab.grade.output.tally import in_notebook_order, per_question, question_table
 
 
 def test_per_question_table_lists_questions_in_notebook_order_not_alphabetical():
@@ -71,7 +71,7 @@ def test_class_report_is_one_readable_figure_that_grows_with_the_questions(tmp_p
 
 
 def test_failure_messages_of_one_shape_group_together_and_others_do_not():
-    from jaxlab.grade.page import shape
+    from jaxlab.grade.output.page import shape
 
     same = [
         "`replicas[P('x', None)]` is the number 2; with P('x', None) each distinct block is "
@@ -93,7 +93,7 @@ def test_failure_messages_of_one_shape_group_together_and_others_do_not():
 
 
 def test_the_page_lists_every_question_with_its_counts_and_groups_reasons(tmp_path):
-    from jaxlab.grade import page
+    from jaxlab.grade.output import page
 
     msg = "`y` has {} of {} values wrong"
     recs = [record(f"s{i}.ipynb", {"q1": 0, "q2": 3, "q10": 2},

@@ -21,9 +21,9 @@ import psutil
 import pytest
 
 from jaxlab.grade import grade
-from jaxlab.grade.cgroup import unavailable_reason as no_cgroups
-from jaxlab.grade import sandbox
-from jaxlab.grade.sandbox import KernelFolder, disk_cap_reason
+from jaxlab.grade.engine.cgroup import unavailable_reason as no_cgroups
+from jaxlab.grade.engine import sandbox
+from jaxlab.grade.engine.sandbox import KernelFolder, disk_cap_reason
 
 from attacks import CELL
 from nbedit import answer_cell, write

@@ -13,8 +13,9 @@ import threading
 import pandas as pd
 import pytest
 
-from jaxlab.grade import grade, warmup
-from jaxlab.grade.sandbox import unavailable_reason
+from jaxlab.grade import grade
+from jaxlab.grade.engine import warmup
+from jaxlab.grade.engine.sandbox import unavailable_reason
 
 from attacks import ATTACKS, attack_notebook
 from nbedit import write

@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from jaxlab.grade import grade
-from jaxlab.grade.report import CSV, SUMMARIES
-from jaxlab.grade.shard import Shard, current_split, record_key, shard_of, status
-from jaxlab.grade.slurm import slurm
+from jaxlab.grade.output.results import CSV, SUMMARIES
+from jaxlab.grade.run.shard import Shard, current_split, record_key, shard_of, status
+from jaxlab.grade.run.slurm import slurm
 
 from nbedit import answer_cell, write
 from slurmcluster import Cluster
@@ -179,7 +179,7 @@ def test_a_shard_outside_0_to_n_minus_1_is_refused_with_the_rule(text):
 
 def test_a_shard_grades_its_share_and_the_report_names_what_is_missing(lab, subs, whole,
                                                                          tmp_path, capsys):
-    from jaxlab.grade.report import report
+    from jaxlab.grade.run.report import report
 
     out = tmp_path / "grades"
     assert grade(paths=[str(subs)], output_dir=str(out), autograder=str(lab.autograder),

@@ -8,9 +8,10 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
-from jaxlab.grade import grade, warmup
-from jaxlab.grade.kernel import Kernel, kernel_env
-from jaxlab.grade.sandbox import unavailable_reason
+from jaxlab.grade import grade
+from jaxlab.grade.engine import warmup
+from jaxlab.grade.engine.kernel import Kernel, kernel_env
+from jaxlab.grade.engine.sandbox import unavailable_reason
 
 from nbedit import write
 

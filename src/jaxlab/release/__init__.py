@@ -5,6 +5,7 @@ order and dates, a stable zip name), executes the solution notebook with outputs
 to write a release whose solution does not score full marks under ``otter run``.
 """
 
+import ast
 import base64
 import copy
 import hashlib
@@ -172,22 +173,58 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "{ENGINE_DIR}"))
 
-from jaxlab.grade.container import main  # noqa: E402
+from jaxlab.grade.run.container import main  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1:] or ["/autograder"])  # (another folder laid out the same: for tests)
 '''
 
 
-def engine_entries():
-    """{zip name: bytes} of the grading engine (this package's grade/) and its entry point."""
+CONTAINER_MODULE = "jaxlab.grade.run.container"
+
+
+def engine_modules(start=CONTAINER_MODULE):
+    """The files of this package that ``start`` imports, directly or not (its relative and
+    ``jaxlab.`` imports, module level or inside functions), with every package ``__init__`` on
+    their way: what the container needs, and nothing of the batch, Slurm or the report.
+    A package ``__init__``'s own functions are not followed: they are lazy conveniences for
+    API callers (``jaxlab.grade.grade``), which the container never calls."""
     package = pathlib.Path(__file__).resolve().parents[1]
-    entries = {f"{ENGINE_DIR}/jaxlab/__init__.py": (package / "__init__.py").read_bytes()}
-    # the engine and the evidence format it reads (checks/form.py: public, students have it too);
-    # the labs' hidden checks travel as files/jaxlab_<lab>.py, as before
-    for path in [*sorted((package / "grade").glob("*.py")), package / "checks" / "__init__.py",
-                 package / "checks" / "form.py"]:
-        entries[f"{ENGINE_DIR}/{path.relative_to(package.parent).as_posix()}"] = path.read_bytes()
+
+    def path_of(module):
+        base = package.parent.joinpath(*module.split("."))
+        return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        path = path_of(module)
+        if path in seen or not path.exists():
+            continue
+        seen.add(path)
+        parts = module.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # the packages on its way
+        here = parts if path.name == "__init__.py" else parts[:-1]
+        tree = ast.parse(path.read_text())
+        nodes = tree.body if path.name == "__init__.py" else ast.walk(tree)
+        for node in nodes:
+            if isinstance(node, ast.ImportFrom):
+                base = here[:len(here) - node.level + 1] if node.level else []
+                target = ".".join([*base, *(node.module or "").split(".")]).strip(".")
+                if target.split(".")[0] == "jaxlab":
+                    todo.append(target)
+                    todo += [f"{target}.{a.name}" for a in node.names]  # `from . import x`
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.split(".")[0] == "jaxlab"]
+    return sorted(seen)
+
+
+def engine_entries():
+    """{zip name: bytes} of the grading engine (what the container imports) and its entry
+    point. The labs' hidden checks travel as files/jaxlab_<lab>.py, as before."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    entries = {f"{ENGINE_DIR}/{path.relative_to(root).as_posix()}": path.read_bytes()
+               for path in engine_modules()}
     entries["run_otter.py"] = RUN_ENGINE.encode()
     return entries
 

@@ -15,7 +15,7 @@ from jupyter_core.utils import run_sync
 
 from . import process
 from .cgroup import KernelCgroup
-from .model import MiB
+from ..model import MiB
 from .sandbox import SYSTEM_PATH, KernelFolder, bwrap_argv
 
 SANDBOX_KERNEL = "jaxlab-sandbox"

@@ -1,4 +1,4 @@
-"""A trusted grading process: ``python -m jaxlab.grade.worker``, driven over stdin.
+"""A trusted grading process: ``python -m jaxlab.grade.engine.worker``, driven over stdin.
 
 The first stdin line is the batch's Settings (JSON); each further line is one job
 ``{"submission", "file", "sha256", "record", "more"}`` (``more``: whether another job may
@@ -28,7 +28,7 @@ from .cells import claim_cells, probe_cells, student_cells
 from .judge import score, verdicts
 from .cgroup import Parent
 from .kernel import Caps, Kernel, kernel_env
-from .model import EvidenceLayout, Record, Settings, StopKind
+from ..model import EvidenceLayout, Record, Settings, StopKind
 from .session import Session
 from .submissions import BadSubmission, read_submission
 

@@ -1,7 +1,7 @@
 """Grade the one submission of a Gradescope or ``otter grade`` container with jaxlab's engine.
 
-The autograder zip's ``run_autograder`` runs ``python -m jaxlab.grade.container /autograder``
-(the engine ships inside the zip, under ``jaxlab_engine/``). Where otter's own entry point runs
+The autograder zip's ``run_autograder`` runs its ``run_otter.py``, which calls ``main`` here (the
+engine ships inside the zip, under ``jaxlab_engine/``). Where otter's own entry point runs
 the hidden checks inside the student's kernel, this one grades as ``jaxlab grade`` does (one
 Worker, the same phases): the student's cells run in a kernel, the checks see only the plain
 data the probes hand over, and verdicts, scores and tampering flags are decided here. It
@@ -20,11 +20,12 @@ import pathlib
 import sys
 import tempfile
 
-from . import process, report
-from .autograder import read_autograder
-from .kernel import user_can_run_python
-from .model import Limits, Record, Settings
-from .submissions import collect
+from ..engine import process
+from ..engine.autograder import read_autograder
+from ..engine.kernel import user_can_run_python
+from ..engine.submissions import collect
+from ..model import Limits, Record, Settings
+from ..output.results import results_of
 
 # Gradescope's default container stops everything at 10 minutes: leave time to judge and write
 CONTAINER_LIMITS = Limits(timeout=480, cell_timeout=300)
@@ -44,7 +45,7 @@ def drop_rights(root, uid=KERNEL_UID):
         return "the grader does not run as root"
     for sub in ("source", "submission", "results"):
         (root / sub).chmod(0o700 if sub != "results" else 0o755)
-    from .sandbox import python_dirs
+    from ..engine.sandbox import python_dirs
     for env in python_dirs():
         for d in [*reversed(env.parents), env]:
             if d.stat().st_mode & 0o001 == 0:
@@ -66,7 +67,7 @@ def grade(root="/autograder", *, limits=CONTAINER_LIMITS):
     # get none of these (kernel_env drops JAX_/XLA_ variables)
     os.environ.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                       PJRT_NPROC="16", MALLOC_ARENA_MAX="2")
-    from .worker import Worker  # after the environment above: it imports the checks (JAX)
+    from ..engine.worker import Worker  # after the environment above: it imports the checks (JAX)
     import dill  # noqa: F401 (imported before any student code runs, like everything else here)
 
     not_dropped = drop_rights(root)
@@ -104,7 +105,7 @@ def write_results(results_dir, record, ag):
     """results.json as otter writes it for Gradescope, with the status on top; results.pkl."""
     import dill  # otter's own pickler for results.pkl
 
-    results = report.results_of(record, ag)
+    results = results_of(record, ag)
     output = results.to_gradescope_dict(ag.config)
     # the status (and any TAMPERING SUSPECTED) is what students and instructors see first
     output["output"] = f"grading_status: {record.status}\n\n" + output.get("output", "")

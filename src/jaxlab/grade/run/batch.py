@@ -16,13 +16,17 @@ import time
 
 from tqdm import tqdm
 
-from . import cgroup, process, report, shard as shards, warmup
-from .autograder import open_autograder, shipped_autograder
-from .kernel import cache_env
-from .sandbox import Mode, SandboxUnavailable, decide, disk_cap_reason, unmount_under
-from .submissions import collect
-from .model import Limits, Record, Settings
-from .warmup import shipped_solution
+from ..engine import cgroup, process, warmup
+from ..engine.autograder import open_autograder, shipped_autograder
+from ..engine.kernel import cache_env
+from ..engine.sandbox import Mode, SandboxUnavailable, decide, disk_cap_reason, unmount_under
+from ..engine.submissions import collect
+from ..engine.warmup import shipped_solution
+from ..model import Limits, Record, Settings
+from ..output.classreport import write_class_report
+from ..output.results import results_of, write_csv, write_submission
+from ..output.tally import print_table, question_table
+from . import shard as shards
 
 GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its record
 
@@ -37,7 +41,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
 
     ``shard``: ``"K/N"`` grades only the submissions of shard K of N (``shard.shard_of``) and
     writes only their records, summaries and Gradescope JSON into ``output_dir``, which other
-    shards share; ``jaxlab report`` (``report.report``) then writes the CSV, plot and page.
+    shards share; ``jaxlab report`` (``run.report.report``) then writes the CSV, plot and page.
     Without it the batch is one shard of one and writes everything itself.
     ``sandbox``: "auto" runs each kernel in a bubblewrap sandbox where bwrap runs here and says
     in every row where it does not; "require" refuses to grade without one; "off" never uses one.
@@ -91,7 +95,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         ag = open_autograder(zip_path, scratch / "autograder")
         digests = {s.file: s.digest() for s in subs}
         # the report step reads the autograder from here, on whichever machine it runs
-        manifest = shards.started(out, part, digests, report.keep_autograder(out, zip_path))
+        manifest = shards.started(out, part, digests, shards.keep_autograder(out, zip_path))
         records = {} if force else shards.records_of(out, digests)
         pending = [s for s in subs if s.file not in records]
         if not whole and show:
@@ -148,13 +152,13 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
                     record.status = "; ".join([record.status, *row_notes])
                 records[record.file] = record
                 record.write(state / shards.RECORDS / f"{shards.record_key(record.file)}.json")
-                report.write_submission(out, record, ag)
+                write_submission(out, record, ag)
                 # a shard leaves the files every shard would write to the report; a whole
                 # batch keeps the CSV current, spending at most ~10% of its time rewriting it
                 # (2,000 rows take seconds; `jaxlab report` rebuilds it from the records)
                 if whole and time.monotonic() - csv_at >= 10 * csv_took:
                     csv_at = time.monotonic()
-                    report.write_csv(out, _ordered(records, subs), ag)
+                    write_csv(out, _ordered(records, subs), ag)
                     csv_took = time.monotonic() - csv_at
                 bar.update()
         for t in slots:
@@ -162,9 +166,9 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         manifest.finished = time.time()
         shards.write_manifest(out, manifest)
         if whole:
-            report.write_class_report(out, _ordered(records, subs), ag)
+            write_class_report(out, _ordered(records, subs), ag)
             if show:
-                report.print_table(report.question_table(_ordered(records, subs), ag))
+                print_table(question_table(_ordered(records, subs), ag))
         elif show:
             print(f"jaxlab grade: shard {part} done; once every shard is, `jaxlab report {out}` "
                   "writes final_grades.csv and the class report", file=sys.stderr)
@@ -199,7 +203,7 @@ def _warm_up(settings, scratch, ag, cache_dir, notebook):
         "record": str(scratch / "warm-up.json"), "more": False})
     if record is None or record.catastrophic:
         return None
-    results = report.results_of(record, ag)
+    results = results_of(record, ag)
     return results.total, results.possible, record.status
 
 
@@ -239,7 +243,7 @@ class _Process:
     def __init__(self, settings):
         with open(settings.log, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxlab.grade.worker"], stdin=subprocess.PIPE,
+                [sys.executable, "-m", "jaxlab.grade.engine.worker"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env(settings),
                 start_new_session=True)
         self.lines = queue.Queue()

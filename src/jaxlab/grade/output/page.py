@@ -1,7 +1,7 @@
 """``report.html``: one self-contained page saying how each question went and why points were lost.
 
 Per question, in notebook order: the shares of full marks, partial credit, zero, error and
-timed out (the categories of ``report.per_question``), and the reasons students lost points:
+timed out (the categories of ``tally.per_question``), and the reasons students lost points:
 the failure messages grouped by their shape (``shape``: the same sentence with other numbers,
 quoted names, identifiers or arrays is one reason), most common first, with a count and a few
 example submissions linked to their feedback. Then every submission, linked to its summary.
@@ -17,8 +17,8 @@ import pathlib
 import re
 import urllib.parse
 
-from .report import CATEGORIES, COLOURS, GRADESCOPE, SUMMARIES, in_notebook_order, \
-    per_question, stem
+from .results import GRADESCOPE, SUMMARIES, stem
+from .tally import CATEGORIES, COLOURS, in_notebook_order, per_question
 
 PAGE = "report.html"
 REASONS_SHOWN = 6  # per question, before "more reasons"

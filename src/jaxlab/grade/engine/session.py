@@ -17,7 +17,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
 from . import process
-from .model import MiB, Stop, StopKind
+from ..model import MiB, Stop, StopKind
 
 
 class Watchdog(threading.Thread):

@@ -20,9 +20,9 @@ import shlex
 import subprocess
 import sys
 
-from . import report, shard as shards
-from .autograder import shipped_autograder
-from .submissions import collect
+from ..engine.autograder import shipped_autograder
+from ..engine.submissions import collect
+from . import shard as shards
 
 FOLDER = "slurm"  # under OUTDIR/.jaxlab
 # the first task on a node warms the cache here; the next tasks there read it
@@ -68,7 +68,7 @@ def slurm(*, paths, output_dir="grades", tasks, cpus_per_task=4, time=None, part
     folder = shards.state_dir(out) / FOLDER
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     if not only:
-        shards.plan(out, subs, tasks, report.keep_autograder(out, zip_path))
+        shards.plan(out, subs, tasks, shards.keep_autograder(out, zip_path))
 
     def header(name, log, cpus, array=None):
         lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --cpus-per-task={cpus}",

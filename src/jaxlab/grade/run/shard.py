@@ -18,10 +18,11 @@ import re
 import socket
 import time
 
-from .model import Record
+from ..model import Record
 
 SHARDS = "shards"  # under OUTDIR/.jaxlab
 RECORDS = "records"
+AUTOGRADERS = "autograder"  # under OUTDIR/.jaxlab: the zips records were graded with
 
 
 class BadShard(ValueError):
@@ -100,6 +101,20 @@ def write_manifest(output_dir, manifest):
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(manifest.to_dict(), indent=1, sort_keys=True))
     tmp.replace(path)
+
+
+def keep_autograder(output_dir, zip_path):
+    """A copy of ``zip_path`` under OUTDIR/.jaxlab, named by its content (shards copying the
+    same zip write the same bytes under the same name, atomically); that name."""
+    data = pathlib.Path(zip_path).read_bytes()
+    name = f"{hashlib.sha256(data).hexdigest()[:20]}.zip"
+    folder = state_dir(output_dir) / AUTOGRADERS
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / name).exists():
+        tmp = folder / f"{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(folder / name)
+    return name
 
 
 def started(output_dir, shard, files, autograder):

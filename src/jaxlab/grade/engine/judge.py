@@ -14,7 +14,7 @@ import re
 
 from otter.test_files import TestCaseResult
 
-from ..checks.form import load_evidence
+from ...checks.form import load_evidence
 
 MAX_EVIDENCE_BYTES = 512 * 2**20
 

@@ -1,0 +1,80 @@
+"""``jaxlab report``: the class's files written from the records every shard left, as one batch
+grading every submission would have written them."""
+
+import pathlib
+import shutil
+import sys
+import tempfile
+
+from ..engine.autograder import open_autograder
+from ..output.classreport import write_class_report
+from ..output.results import CSV, GRADESCOPE, SUMMARIES, stem, write_submission
+from ..output.tally import print_table, question_table
+from . import shard as shards
+
+
+def report(*, output_dir="grades", show=True):
+    """Write final_grades.csv, the summaries, the Gradescope JSON, score_distribution.png and
+    report.html in ``output_dir`` from the records its shards wrote, as one batch grading every
+    submission there would have. True when every submission of the current split has a record;
+    otherwise what is graded is written, and the shards still to run are printed."""
+    out = pathlib.Path(output_dir)
+    split = shards.current_split(out)
+    files = split.files()
+    records = shards.records_of(out, files)
+    ordered = [records[f] for f in files if f in records]
+    names = {m.autograder for m in split.manifests.values() if m.autograder}
+    if len(names) != 1:
+        raise ValueError(f"the shards of {out} were graded with {len(names)} different "
+                         "autograders" if names else f"{out} names no autograder zip")
+    waiting = [f"shard {m.shard}: {k} not graded yet" for m in split.manifests.values()
+               if (k := sum(f not in records for f in m.files))]
+    if split.missing():
+        many = len(split.missing()) > 1
+        waiting.append(f"shard{'s' if many else ''} {_ranges(split.missing())} of "
+                       f"{split.count}: never started")
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-report-"))
+    try:
+        ag = open_autograder(shards.state_dir(out) / shards.AUTOGRADERS / names.pop(), scratch)
+        for r in ordered:  # a shard wrote these as it graded; only a missing or older one again
+            if _older_than_record(out, r):
+                write_submission(out, r, ag)
+        write_class_report(out, ordered, ag, waiting=waiting)
+        if show:
+            print_table(question_table(ordered, ag))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if waiting:
+        print(f"jaxlab report: {len(ordered)} of {len(files)} submissions graded so far "
+              f"({'; '.join(waiting)}); run those shards again, then `jaxlab report` again",
+              file=sys.stderr)
+    elif show:
+        print(f"jaxlab report: {len(ordered)} submissions from {split.count} shard"
+              f"{'s' if split.count != 1 else ''} in {out / CSV}", file=sys.stderr)
+    return not waiting
+
+
+def _older_than_record(out, record):
+    record_time = (shards.state_dir(out) / shards.RECORDS /
+                   f"{shards.record_key(record.file)}.json").stat().st_mtime
+    for path in (out / SUMMARIES / f"{stem(record.file)}.txt",
+                 out / GRADESCOPE / f"{stem(record.file)}.json"):
+        try:
+            if path.stat().st_mtime < record_time:
+                return True
+        except FileNotFoundError:
+            return True
+    return False
+
+
+def _ranges(indexes):
+    """[0, 2, 3, 4, 7] -> "0, 2-4, 7"."""
+    runs = []
+    for i in sorted(indexes):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
