@@ -23,6 +23,24 @@ def jaxlab_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def release_build(tmp_path_factory):
+    """build(lab, colab_url=None) -> (student dir, zip, solution) from the master, made once per
+    session for each (lab, badge URL): several release tests compare against the same build."""
+    from jaxlab import release
+    from labs import ROOT
+
+    builds = {}
+
+    def build(lab, colab_url=None):
+        if (lab, colab_url) not in builds:
+            workdir = tmp_path_factory.mktemp(f"release-{lab}")
+            builds[lab, colab_url] = release._generate(ROOT, lab, workdir, colab_url=colab_url)
+        return builds[lab, colab_url]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def lab3():
     return release_paths("lab3-parallelism")
 

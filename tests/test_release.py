@@ -15,22 +15,12 @@ from jaxlab import release
 
 
 @pytest.mark.parametrize("lab", LABS)
-def test_committed_releases_are_current(lab):
-    assert release.stale_files(root=ROOT, name=lab) == [], (
+def test_committed_releases_are_current_and_rebuild_byte_for_byte(lab, release_build):
+    """The committed student notebook and zip were built at another time, often on another
+    machine: this build giving the same bytes is the release's reproducibility."""
+    built = release_build(lab, release.committed_colab_url(ROOT, lab))
+    assert release.stale_files(root=ROOT, name=lab, built=built) == [], (
         "the committed releases differ from the master: run `jaxlab release`")
-
-
-@pytest.mark.parametrize("lab", LABS)
-def test_release_twice_gives_identical_student_and_autograder_bytes(lab, tmp_path):
-    built = []
-    for run in ("a", "b"):
-        workdir = tmp_path / run
-        workdir.mkdir()
-        student, zip_path, _ = release._generate(ROOT, lab, workdir)
-        files = {p.relative_to(student).as_posix(): p.read_bytes()
-                 for p in student.rglob("*") if p.is_file()}
-        built.append((files, zip_path.read_bytes()))
-    assert built[0] == built[1]
 
 
 def _split_master(master):
@@ -223,17 +213,12 @@ BASE = "https://colab.research.google.com/github/course/labs/blob/main/student"
 
 
 @pytest.mark.parametrize("lab", LABS)
-def test_colab_url_adds_a_badge_and_stays_byte_reproducible(lab, tmp_path):
+def test_colab_url_adds_a_badge(lab, release_build):
+    """(Byte reproducibility with a badge: test_release_check_keeps_a_committed_badge_current.)"""
     from jaxlab.release.standalone import BADGE_IMAGE
 
-    built = []
-    for run in ("plain", "badge-a", "badge-b"):
-        workdir = tmp_path / run
-        workdir.mkdir()
-        student, _, _ = release._generate(ROOT, lab, workdir,
-                                          colab_url=None if run == "plain" else BASE + "/")
-        built.append((student / f"{lab}.ipynb").read_bytes())
-    assert built[1] == built[2]
+    built = [(student / f"{lab}.ipynb").read_bytes() for student, _, _ in (
+        release_build(lab), release_build(lab, BASE + "/"))]
     plain = nbformat.reads(built[0].decode(), as_version=4)
     badged = nbformat.reads(built[1].decode(), as_version=4)
     assert built[0] == release_paths(lab)["student"].read_bytes()  # no option: nothing changes
@@ -242,22 +227,21 @@ def test_colab_url_adds_a_badge_and_stays_byte_reproducible(lab, tmp_path):
     assert [c.source for c in badged.cells[1:]] == [c.source for c in plain.cells]
 
 
-def test_release_check_keeps_a_committed_badge_current(tmp_path):
+def test_release_check_keeps_a_committed_badge_current(tmp_path, release_build):
     """A course that publishes with a badge: `release --check` (and `make test`) builds with the
-    committed notebook's badge, so it passes; `--colab-url ''` would remove it."""
+    committed notebook's badge, so it passes (a second build with the badge, byte for byte);
+    `--colab-url ''` would remove it."""
     import shutil
 
     for part in ("assignments", "student", "solutions", "autograder"):
         shutil.copytree(ROOT / part, tmp_path / part)
     lab = LABS[0]
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    student, _, _ = release._generate(ROOT, lab, workdir, colab_url=BASE)
+    student, _, _ = release_build(lab, BASE)
     shutil.copy(student / f"{lab}.ipynb", tmp_path / "student" / lab / f"{lab}.ipynb")
     assert release.committed_colab_url(tmp_path, lab) == BASE
     assert release.stale_files(root=tmp_path, name=lab) == []
-    assert release.stale_files(root=tmp_path, name=lab, colab_url="") == [
-        f"student/{lab}/{lab}.ipynb"]
+    assert release.stale_files(root=tmp_path, name=lab, colab_url="",
+                               built=release_build(lab)) == [f"student/{lab}/{lab}.ipynb"]
     assert release.stale_files(root=tmp_path, name=lab, colab_url=BASE + "/other") == [
         f"student/{lab}/{lab}.ipynb"]
 
@@ -337,7 +321,7 @@ def test_texts_agree_within_the_named_tolerance_only():
     assert not release.texts_agree("shape (8, 4)", "shape (8, 5)")
 
 
-def test_a_broken_committed_release_gets_a_message_not_a_traceback(tmp_path):
+def test_a_broken_committed_release_gets_a_message_not_a_traceback(tmp_path, release_build):
     """A merge conflict left in a committed student notebook: `release` and `release --check`
     say which file and what to do (exit 1); a broken solution notebook is simply stale."""
     import shutil
@@ -359,4 +343,5 @@ def test_a_broken_committed_release_gets_a_message_not_a_traceback(tmp_path):
     shutil.copy(ROOT / "student" / lab / f"{lab}.ipynb", student)
     solution = tmp_path / "solutions" / lab / f"{lab}.ipynb"
     solution.write_text("<<<<<<< HEAD\n" + solution.read_text())
-    assert release.stale_files(root=tmp_path, name=lab) == [f"solutions/{lab}/{lab}.ipynb"]
+    assert release.stale_files(root=tmp_path, name=lab, built=release_build(lab)) == [
+        f"solutions/{lab}/{lab}.ipynb"]

@@ -498,38 +498,47 @@ def _sources(path):
     return [(c.cell_type, c.source) for c in nb.cells]
 
 
-def stale_files(*, root, name, colab_url=None):
+def stale_files(*, root, name, colab_url=None, built=None):
     """Committed release files that differ from what the master builds now.
 
     The build uses the committed student notebook's Colab badge URL unless ``colab_url`` says
-    otherwise, so a course that publishes with a badge stays current.
+    otherwise, so a course that publishes with a badge stays current. ``built``: a
+    ``(student dir, zip, solution)`` that ``_generate`` already made from the same master and
+    badge URL (tests share one build among their checks); without it one is made here.
     """
     root = pathlib.Path(root)
+    if built is None:
+        colab_url = _resolve_colab_url(root, name, colab_url)
+        with tempfile.TemporaryDirectory(prefix=f"jaxlab-{name}-") as tmp:
+            return _differences(root, name, _generate(root, name, pathlib.Path(tmp),
+                                                      colab_url=colab_url))
+    return _differences(root, name, built)
+
+
+def _differences(root, name, built):
+    """The committed files of ``name`` under ``root`` that differ from ``built``."""
+    student, zip_path, solution = built
     stale = []
-    colab_url = _resolve_colab_url(root, name, colab_url)
-    with tempfile.TemporaryDirectory(prefix=f"jaxlab-{name}-") as tmp:
-        workdir = pathlib.Path(tmp)
-        student, zip_path, solution = _generate(root, name, workdir, colab_url=colab_url)
-        built = {p.relative_to(student): p.read_bytes() for p in student.rglob("*") if p.is_file()}
-        committed_dir = root / "student" / name
-        committed = {p.relative_to(committed_dir): p.read_bytes()
-                     for p in committed_dir.rglob("*") if p.is_file()} if committed_dir.exists() else {}
-        for rel in sorted(set(built) | set(committed)):
-            if built.get(rel) != committed.get(rel):
-                stale.append(f"student/{name}/{rel}")
-        committed_zip = root / "autograder" / f"{name}-autograder.zip"
-        if not committed_zip.exists() or committed_zip.read_bytes() != zip_path.read_bytes():
-            stale.append(f"autograder/{name}-autograder.zip")
-        # Besides its notebook, solutions/<lab>/ holds exactly the student's files; anything
-        # else there (an export zip, .OTTER_LOG from running the notebook in place) is stale.
-        solution_dir = root / "solutions" / name
-        for path in sorted(solution_dir.rglob("*")) if solution_dir.exists() else []:
-            rel = path.relative_to(solution_dir)
-            if path.is_file() and rel.as_posix() != f"{name}.ipynb" and (
-                    built.get(rel) != path.read_bytes()):
-                stale.append(f"solutions/{name}/{rel.as_posix()}")
-        committed_solution = solution_dir / f"{name}.ipynb"
-        if not _readable(committed_solution) or _sources(committed_solution) != [
-                (c.cell_type, c.source) for c in solution.cells]:
-            stale.append(f"solutions/{name}/{name}.ipynb")
+    built = {p.relative_to(student): p.read_bytes() for p in student.rglob("*") if p.is_file()}
+    committed_dir = root / "student" / name
+    committed = {p.relative_to(committed_dir): p.read_bytes()
+                 for p in committed_dir.rglob("*") if p.is_file()} if committed_dir.exists() else {}
+    for rel in sorted(set(built) | set(committed)):
+        if built.get(rel) != committed.get(rel):
+            stale.append(f"student/{name}/{rel}")
+    committed_zip = root / "autograder" / f"{name}-autograder.zip"
+    if not committed_zip.exists() or committed_zip.read_bytes() != zip_path.read_bytes():
+        stale.append(f"autograder/{name}-autograder.zip")
+    # Besides its notebook, solutions/<lab>/ holds exactly the student's files; anything
+    # else there (an export zip, .OTTER_LOG from running the notebook in place) is stale.
+    solution_dir = root / "solutions" / name
+    for path in sorted(solution_dir.rglob("*")) if solution_dir.exists() else []:
+        rel = path.relative_to(solution_dir)
+        if path.is_file() and rel.as_posix() != f"{name}.ipynb" and (
+                built.get(rel) != path.read_bytes()):
+            stale.append(f"solutions/{name}/{rel.as_posix()}")
+    committed_solution = solution_dir / f"{name}.ipynb"
+    if not _readable(committed_solution) or _sources(committed_solution) != [
+            (c.cell_type, c.source) for c in solution.cells]:
+        stale.append(f"solutions/{name}/{name}.ipynb")
     return stale
