@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from jaxlab.grade import grade
-from jaxlab.grade.engine.cgroup import unavailable_reason as no_cgroups
+from jaxlab.grade.engine.cgroup import BATCH_PREFIX, Parent, unavailable_reason as no_cgroups
 from jaxlab.grade.engine import sandbox
 from jaxlab.grade.engine.sandbox import KernelFolder, disk_cap_reason
 
@@ -104,13 +104,17 @@ def scores(row):
     return {q: float(row[q]) for q in FULL}
 
 
+# this process's batches only: another test session may grade beside this one
+OURS = f"{BATCH_PREFIX}{os.getpid()}-"
+
+
 def kernel_mounts():
     return [line for line in pathlib.Path("/proc/mounts").read_text().splitlines()
-            if line.startswith("jaxlab-kernel ")]
+            if line.startswith("jaxlab-kernel ") and OURS in line]
 
 
 def batch_cgroups():
-    return [p for pattern in ("jaxlab-grade-*", "*/jaxlab-grade-*")
+    return [p for pattern in (f"{OURS}*", f"*/{OURS}*")
             for p in pathlib.Path("/sys/fs/cgroup").glob(pattern)]
 
 
@@ -197,3 +201,23 @@ def count_forks_as_nobody(folder):
         capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert 20 <= int(run.stdout) < 30  # python and bwrap's init count too
+
+
+def test_empty_cgroups_of_a_killed_batch_are_removed_by_the_next_one(tmp_path):
+    """A batch killed with SIGKILL leaves its cgroups; the next batch removes those whose
+    process is gone, and leaves a live batch's (another shard grading beside it) alone."""
+    assert no_cgroups() is None, no_cgroups()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    parent = Parent.find()
+    dead = parent.child(f"{BATCH_PREFIX}{gone.pid}-test")
+    for d in dead.dirs.values():
+        (d / "jaxlab-kernel-test").mkdir(exist_ok=True)
+    alive = parent.child(f"{BATCH_PREFIX}{os.getpid()}-test")
+    try:
+        parent.remove_orphans()
+        assert not any(d.exists() for d in dead.dirs.values())
+        assert all(d.exists() for d in alive.dirs.values())
+    finally:
+        alive.remove()
+        dead.remove()

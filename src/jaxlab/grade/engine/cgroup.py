@@ -23,6 +23,7 @@ import time
 ROOT = pathlib.Path("/sys/fs/cgroup")
 CONTROLLERS = ("pids", "cpuset", "cpu")
 PERIOD_US = 100_000
+BATCH_PREFIX = "jaxlab-grade-"  # + the batch process's pid + "-" + random: its cgroup's name
 
 
 class CgroupUnavailable(RuntimeError):
@@ -105,6 +106,21 @@ class Parent:
     def from_dict(cls, raw):
         return cls({c: pathlib.Path(d) for c, d in raw["dirs"].items()}, raw["version"])
 
+    def remove_orphans(self):
+        """Remove the empty batch cgroups here whose batch process is gone (a batch killed with
+        SIGKILL leaves them behind); another live batch's, or one still holding a process, stays."""
+        for d in sorted(self.dirs["pids"].glob(f"{BATCH_PREFIX}*")):
+            pid = d.name[len(BATCH_PREFIX):].split("-")[0]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            folders = {p / d.name for p in self.dirs.values()}
+            kernels = [k for f in folders for k in f.glob("jaxlab-kernel-*") if k.is_dir()]
+            for f in [*kernels, *folders]:  # rmdir fails on a cgroup with a process or a child
+                try:
+                    f.rmdir()
+                except OSError:
+                    pass
+
     def remove(self):
         """Kill and remove every kernel cgroup inside, then this one."""
         for d in sorted(self.dirs["pids"].glob("jaxlab-kernel-*")):
@@ -114,6 +130,16 @@ class Parent:
                 d.rmdir()
             except OSError:
                 pass
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _enable_v2(folder):

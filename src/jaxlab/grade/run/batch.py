@@ -87,8 +87,11 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     zip_path = autograder or shipped_autograder(assignment, [s.path for s in everything])
     state = shards.state_dir(out)
     (state / shards.RECORDS).mkdir(parents=True, exist_ok=True)
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-grade-"))
+    # named by this process: its cgroup and its kernels' mounts say whose they are
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"{cgroup.BATCH_PREFIX}{os.getpid()}-"))
     process.set_subreaper()
+    if not no_cgroups:
+        cgroup.Parent.find().remove_orphans()  # left by batches killed with SIGKILL
     groups = None if no_cgroups else cgroup.Parent.find().child(scratch.name)
     on_term = _exit_on_sigterm()
     try:
