@@ -44,7 +44,6 @@ from jaxlab.grade.output.tally import in_notebook_order
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ANSWERS = ROOT / "tests" / "answers"
 PROMPT = "### Your code here"
-GRADED = []  # every Verdict of this test session, for the confusion table
 MARK = "@@corpus@@"
 
 
@@ -411,16 +410,16 @@ class LabHarness:
 
 
 # --------------------------------------------------------------------------- reporting
-def confusion_table(verdicts):
-    """Lines of a table: per question, correct answers accepted/rejected, wrong rejected/accepted."""
+def confusion_table(outcomes):
+    """Lines of a table: per question, correct answers accepted/rejected, wrong rejected/accepted.
+    ``outcomes``: (lab, question, answer is correct, it got full marks) per graded answer."""
     rows = {}
-    for v in verdicts:
-        key = (v.answer.lab, v.answer.question)
-        row = rows.setdefault(key, [0, 0, 0, 0])
-        if v.answer.correct:
-            row[0 if v.full_marks else 1] += 1
+    for lab, question, correct, full_marks in outcomes:
+        row = rows.setdefault((lab, question), [0, 0, 0, 0])
+        if correct:
+            row[0 if full_marks else 1] += 1
         else:
-            row[3 if v.full_marks else 2] += 1
+            row[3 if full_marks else 2] += 1
     width = max([len("question")] + [len(q) for _, q in rows])
     head = f"{'lab':<20} {'question':<{width}} {'correct ok':>10} {'correct REJ':>11} " \
            f"{'wrong ok':>8} {'wrong ACC':>9}"

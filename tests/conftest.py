@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 
@@ -15,11 +14,31 @@ jax.config.update("jax_num_cpu_devices", 8)
 @pytest.fixture(scope="session", autouse=True)
 def jaxlab_cache(tmp_path_factory):
     """What `jaxlab grade` keeps between batches (warmed compilation caches) goes here, not
-    into ~/.cache/jaxlab: every test run warms from scratch."""
+    into ~/.cache/jaxlab: every test run warms from scratch, once (the test processes of one
+    run share it: the warm-up holds a lock, as the shards on one node do)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder, above each worker's own
+    path = base / "jaxlab-cache"
+    path.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
-        path = tmp_path_factory.mktemp("jaxlab-cache")
         mp.setenv("JAXLAB_CACHE_DIR", str(path))
         yield path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, what `make test` runs) the tests of one
+    file go to one process, so its module fixtures (a graded batch, a kernel) are built once;
+    the answer corpus goes by lab, one kernel per lab."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        group = item.nodeid.split("::")[0]
+        answer = item.callspec.params.get("answer") if hasattr(item, "callspec") else None
+        lab = item.callspec.params.get("lab") if hasattr(item, "callspec") else None
+        if group.endswith("test_answers.py") and (answer is not None or lab is not None):
+            group = f"answers-{answer.lab if answer is not None else lab}"
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +77,6 @@ def graded(tmp_path_factory):
             if lab not in harnesses:
                 harnesses[lab] = answers_harness.LabHarness(lab, tmp_path_factory.mktemp(lab))
             cache[answer.id] = harnesses[lab].grade(answer)
-            answers_harness.GRADED.append(cache[answer.id])
         return cache[answer.id]
 
     verdict.harnesses = harnesses
@@ -67,12 +85,22 @@ def graded(tmp_path_factory):
         h.close()
 
 
+CORPUS = []  # (lab, question, correct, full marks) of every answer graded in this run
+
+
+def pytest_runtest_logreport(report):
+    """Collects the corpus outcomes test_answers records (from every xdist process too)."""
+    if report.when == "call":
+        CORPUS.extend(tuple(v) for k, v in report.user_properties if k == "corpus")
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """Print the answer corpus's confusion table and keep a copy under pytest's tmp dir."""
-    harness = sys.modules.get("answers_harness")
-    if harness is None or not harness.GRADED:
+    if not CORPUS:
         return
-    lines = harness.confusion_table(harness.GRADED)
+    import answers_harness
+
+    lines = answers_harness.confusion_table(CORPUS)
     terminalreporter.section("answer corpus: confusion table")
     for line in lines:
         terminalreporter.write_line(line)

@@ -48,8 +48,9 @@ def test_solution_run_in_the_harness_is_clean_and_scores_full_marks(lab, graded,
 
 
 @pytest.mark.parametrize("answer", ANSWERS, ids=_ids(ANSWERS))
-def test_answer_gets_its_expected_verdict(answer, graded):
+def test_answer_gets_its_expected_verdict(answer, graded, record_property):
     v = graded(answer)
+    record_property("corpus", [answer.lab, answer.question, answer.correct, v.full_marks])
     if answer.correct:
         assert v.full_marks, (f"correct answer rejected ({answer.why}): "
                               f"{v.own['score']}/{v.own['possible']}\n"
