@@ -205,6 +205,7 @@ class ShardStatus:
     started: float | None = None
     finished: float | None = None
     last_record: float | None = None  # when its newest record was written
+    queue: str | None = None  # what the scheduler says of its task, e.g. "pending: Resources"
 
     @property
     def remaining(self):
@@ -225,8 +226,11 @@ class ShardStatus:
         return "started"
 
 
-def status(*, output_dir, show=True):
-    """Done, failed and remaining submissions per shard of OUTDIR's current split."""
+def status(*, output_dir, queue=None, show=True):
+    """Done, failed and remaining submissions per shard of OUTDIR's current split.
+
+    ``queue``: {Shard: what the scheduler says of its task} (``slurm.queue``), shown beside."""
+    queue = queue or {}
     split = current_split(output_dir)
     records = records_of(output_dir, split.files())
     folder = state_dir(output_dir) / RECORDS
@@ -242,7 +246,8 @@ def status(*, output_dir, show=True):
                                 done=sum(not r.catastrophic for r in mine),
                                 failed=sum(r.catastrophic for r in mine), host=m.host,
                                 started=m.started, finished=m.finished,
-                                last_record=max(times) if times else None))
+                                last_record=max(times) if times else None,
+                                queue=queue.get(m.shard)))
     if show:
         print_status(rows, split)
     return rows
@@ -258,18 +263,21 @@ def print_status(rows, split):
     from rich.table import Table
 
     now = time.time()
+    queued = any(r.queue for r in rows)  # a column only where the scheduler was asked
     t = Table(title=f"{split.count} shard{'s' if split.count != 1 else ''}")
-    for col in ("shard", "state", "done", "failed", "remaining", "host", "last record"):
+    for col in ("shard", "state", "done", "failed", "remaining", "host", "last record",
+                *(["in the queue"] if queued else [])):
         t.add_column(col, justify="right" if col in ("done", "failed", "remaining") else "left")
     for r in rows:
         ago = f"{now - r.last_record:.0f} s ago" if r.last_record else ""
         t.add_row(str(r.shard), r.state, str(r.done), str(r.failed),
-                  "?" if r.remaining is None else str(r.remaining), r.host or "", ago)
+                  "?" if r.remaining is None else str(r.remaining), r.host or "", ago,
+                  *([r.queue or ""] if queued else []))
     if len(rows) > 1:
         known = [r for r in rows if r.total is not None]
         t.add_row("all", "", str(sum(r.done for r in rows)), str(sum(r.failed for r in rows)),
                   str(sum(r.remaining for r in known)) + ("+?" if len(known) < len(rows) else ""),
-                  "", "")
+                  "", "", *([""] if queued else []))
     Console().print(t)
     if split.ignored:
         print(f"(older manifests of a {', '.join(map(str, split.ignored))}-way split are "
