@@ -205,7 +205,7 @@ class ShardStatus:
     started: float | None = None
     finished: float | None = None
     last_record: float | None = None  # when its newest record was written
-    queue: str | None = None  # what the scheduler says of its task, e.g. "pending: Resources"
+    queue: str | None = None  # what the scheduler says of its task, e.g. "pending (Resources)"
 
     @property
     def remaining(self):
@@ -263,22 +263,22 @@ def print_status(rows, split):
     from rich.table import Table
 
     now = time.time()
-    queued = any(r.queue for r in rows)  # a column only where the scheduler was asked
     t = Table(title=f"{split.count} shard{'s' if split.count != 1 else ''}")
-    for col in ("shard", "state", "done", "failed", "remaining", "host", "last record",
-                *(["in the queue"] if queued else [])):
+    for col in ("shard", "state", "done", "failed", "remaining", "host", "last record"):
         t.add_column(col, justify="right" if col in ("done", "failed", "remaining") else "left")
     for r in rows:
         ago = f"{now - r.last_record:.0f} s ago" if r.last_record else ""
         t.add_row(str(r.shard), r.state, str(r.done), str(r.failed),
-                  "?" if r.remaining is None else str(r.remaining), r.host or "", ago,
-                  *([r.queue or ""] if queued else []))
+                  "?" if r.remaining is None else str(r.remaining), r.host or "", ago)
     if len(rows) > 1:
         known = [r for r in rows if r.total is not None]
         t.add_row("all", "", str(sum(r.done for r in rows)), str(sum(r.failed for r in rows)),
                   str(sum(r.remaining for r in known)) + ("+?" if len(known) < len(rows) else ""),
-                  "", "", *([""] if queued else []))
+                  "", "")
     Console().print(t)
+    for r in rows:  # whole lines, not a column an 80-character table would cut short
+        if r.queue:
+            print(f"shard {r.shard} in the scheduler's queue: {r.queue}")
     if split.ignored:
         print(f"(older manifests of a {', '.join(map(str, split.ignored))}-way split are "
               "ignored)")

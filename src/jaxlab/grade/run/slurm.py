@@ -158,7 +158,7 @@ def _remember(folder, count, indexes, array_job, report_job):
 
 def queue(output_dir):
     """{Shard: what Slurm says of its task} for the tasks ``jaxlab slurm --submit`` submitted
-    into OUTDIR that Slurm still holds, e.g. "pending: PartitionConfig" or "running" (the
+    into OUTDIR that Slurm still holds, e.g. "pending (PartitionConfig)" or "running" (the
     reason is Slurm's own word); {} when nothing was submitted from here or squeue cannot say."""
     try:
         known = json.loads((shards.state_dir(output_dir) / FOLDER / JOBS).read_text())
@@ -176,7 +176,7 @@ def queue(output_dir):
     for line in done.stdout.splitlines():
         job, index, state, reason = (line.split("|") + ["", "", "", ""])[:4]
         if tasks.get(index) == job:
-            words = state.lower() + (f": {reason}" if reason not in ("", "None") else "")
+            words = state.lower() + (f" ({reason})" if reason not in ("", "None") else "")
             said[shards.Shard(int(index), count)] = words
     return said
 
