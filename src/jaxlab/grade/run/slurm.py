@@ -206,9 +206,10 @@ def _nodes(partition):
     for line in done.stdout.splitlines() if done.returncode == 0 else []:
         try:
             part, name, cpus, mem, limit = line.strip().split("|")
+            most = seconds(limit)
             nodes.append(Node(name, part.rstrip("*"), part.endswith("*"),
                               int(cpus.rstrip("+")), float(mem.rstrip("+")),
-                              seconds(limit), limit))
+                              math.inf if most is None else most, limit))
         except (ValueError, TypeError):
             continue  # a line this sinfo writes otherwise: leave the judgement to Slurm
     return [n for n in nodes if n.default] if partition is None else nodes
