@@ -54,8 +54,17 @@ def test_describe_sharding_names_split_and_replicated_axes(mesh):
     text = form.describe_sharding(form.evidence(a)["sharding"])
     assert "dimension 0 split 2 ways over mesh axis 'x'" in text
     assert "replicated over mesh axis 'y'" in text
+    assert text.endswith("(spec P('x', None) on the 2 × 4 mesh)"), text
     r = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P()))
-    assert form.describe_sharding(form.evidence(r)["sharding"]).startswith("replicated on every")
+    assert form.describe_sharding(form.evidence(r)["sharding"]) == \
+        "replicated on every device of the 2 × 4 mesh"
+    line = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    r = jax.device_put(jnp.ones((8, 2)), NamedSharding(line, P()))
+    assert form.describe_sharding(form.evidence(r)["sharding"]) == \
+        "replicated on every device of the 8-device mesh"
+    d = jax.device_put(jnp.ones((8, 2)), NamedSharding(line, P("data")))
+    assert form.describe_sharding(form.evidence(d)["sharding"]).endswith(
+        "(spec P('data') on the 8-device mesh)")
     single = form.evidence(jnp.ones(3))["sharding"]
     assert form.describe_sharding(single).startswith("on a single device")
 

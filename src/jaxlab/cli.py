@@ -1,10 +1,10 @@
 """The ``jaxlab`` command: a thin click layer over the keyword-only APIs of each verb."""
 
+import inspect
 import sys
 
-import inspect
-
 import click
+from click.core import ParameterSource
 
 from .grade.engine.sandbox import Mode
 from .grade.run.batch import grade as grade_api
@@ -81,6 +81,25 @@ def shared_options(f):
     return f
 
 
+def given_options(ctx, names):
+    """The options among ``names`` that the user gave, as a command line taking them again.
+
+    Click's own record of where each value came from decides, not a comparison with the
+    default: click 8.5 gives a flag declared without a default a sentinel default, which a
+    ``False`` flag differs from."""
+    args = []
+    for param in ctx.command.params:
+        if param.name not in names or ctx.get_parameter_source(param.name) in (
+                None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+            continue
+        value = ctx.params[param.name]
+        if param.is_flag:  # `--flag` (or its `--no-flag` side, when it has one)
+            args += [param.opts[0]] if value else param.secondary_opts[:1]
+        elif value is not None:
+            args += [param.opts[0], str(value)]
+    return args
+
+
 def _grade_errors(call):
     try:
         return call()
@@ -121,10 +140,12 @@ def report(output_dir):
 @main.command()
 @click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
 def status(output_dir):
-    """Done, failed and remaining submissions per shard of OUTPUT_DIR."""
+    """Done, failed and remaining submissions per shard of OUTPUT_DIR (and, for the tasks
+    `jaxlab slurm --submit` submitted, what Slurm says of those it still holds)."""
     from .grade.run.shard import status as status_api
+    from .grade.run.slurm import queue
 
-    rows = _grade_errors(lambda: status_api(output_dir=output_dir))
+    rows = _grade_errors(lambda: status_api(output_dir=output_dir, queue=queue(output_dir)))
     sys.exit(0 if all(r.remaining == 0 for r in rows) else 1)
 
 
@@ -150,11 +171,8 @@ def slurm(paths, output_dir, tasks, cpus_per_task, time, partition, mem_per_cpu,
     """Grade as a Slurm job array (one shard per task), then the report in a dependent job."""
     from .grade.run.slurm import SlurmError
 
-    grade_args = []  # the shared options given, as `jaxlab grade` takes them
-    for param in click.get_current_context().command.params:
-        value = options.get(param.name)
-        if param.name in options and value is not None and value != param.default:
-            grade_args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
+    # the shared options given, as `jaxlab grade` takes them; the rest keep its defaults
+    grade_args = given_options(click.get_current_context(), options)
     try:
         only = [int(k) for k in only.split(",")] if only else None
     except ValueError:

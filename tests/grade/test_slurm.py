@@ -1,9 +1,12 @@
 """`jaxlab slurm` on a real one-node Slurm cluster (munged, slurmctld, slurmd started here): the
-array's report equals one `jaxlab grade` of the same folder, and a task cancelled midway and
-resubmitted alone completes it with nothing lost or graded twice.
+array's report equals one `jaxlab grade` of the same folder, a finished task resubmitted grades
+nothing, a task cancelled midway and resubmitted alone completes it with nothing lost or graded
+twice, an array no node could run is refused before submission, and `jaxlab status` shows why a
+queued task waits.
 """
 
 import json
+import re
 import time
 
 import nbformat
@@ -14,7 +17,7 @@ import pytest
 from jaxlab.grade import grade
 from jaxlab.grade.output.results import CSV, SUMMARIES
 from jaxlab.grade.run.shard import Shard, current_split, record_key, shard_of, status
-from jaxlab.grade.run.slurm import slurm
+from jaxlab.grade.run.slurm import TooBig, queue, slurm
 
 from nbedit import answer_cell, write
 from slurmcluster import Cluster
@@ -73,15 +76,35 @@ def whole(lab, subs, tmp_path_factory):
     return out
 
 
+GRADE_ARGS = ["--timeout", "120", "--cell-timeout", "60", "--memory", "1500"]
+
+
 def submit(cluster, lab, subs, out, node_cache, **kw):
     """`jaxlab slurm --submit` for a 2-task array, one CPU each, as the CLI would."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", str(cluster.conf))
         return slurm(paths=[str(subs)], output_dir=str(out), tasks=2, cpus_per_task=1,
                      autograder=str(lab.autograder), node_cache=str(node_cache),
-                     grade_args=["--warm-up", str(lab.solution), "--timeout", "120",
-                                 "--cell-timeout", "60", "--memory", "1500"],
+                     grade_args=["--warm-up", str(lab.solution), *GRADE_ARGS],
                      submit=True, show=False, **kw)
+
+
+def jaxlab(cluster, *args):
+    """The `jaxlab` command line, run here against the test cluster: (exit code, output)."""
+    from click.testing import CliRunner
+
+    from jaxlab.cli import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", str(cluster.conf))
+        result = CliRunner().invoke(main, list(map(str, args)))
+    return result.exit_code, result.output
+
+
+def record_files(out):
+    """{record file name: (its bytes, its mtime in ns)}."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in (out / ".jaxlab" / "records").glob("*.json")}
 
 
 def task_logs(out, array_job):
@@ -108,8 +131,32 @@ def test_a_two_task_array_and_its_report_job_write_what_one_batch_writes(
     for k in (0, 1):
         n = sum(shard_of(p.name, 2) == k for p in subs.iterdir())
         assert f"shard {k}/2 holds {n} of the 7 submissions" in text
+        # progress in a log is lines, not a bar redrawn with carriage returns
+        assert f"jaxlab grade: shard {k}/2: graded {n} of {n} (100%)" in text, text
+    assert "\r" not in text, text
     assert "grade-%A_%a.log" in jobs.grade_script.read_text()
     assert "--array=0-1" in jobs.grade_script.read_text()
+
+    # a finished task resubmitted as the instructor would (the CLI, without --force) grades
+    # nothing and leaves every record as it was
+    before, csv = record_files(out), (out / CSV).read_text()
+    began = time.monotonic()
+    code, said = jaxlab(cluster, "slurm", subs, "-o", out, "--tasks", 2, "--cpus-per-task", 1,
+                        "--autograder", lab.autograder, "--node-cache", tmp_path / "node-cache",
+                        "--warm-up", lab.solution, *GRADE_ARGS, "--only", 1, "--submit")
+    assert code == 0, said
+    array_job, report_job = re.search(r"submitted array job (\d+) and report job (\d+)",
+                                      said).groups()
+    task = cluster.wait(array_job)
+    assert cluster.wait(report_job)["JobState"] == "COMPLETED"
+    print(f"\n--only 1 --submit of a complete shard: the task ran {task['RunTime']}, "
+          f"{time.monotonic() - began:.1f} s to its report job's end")
+    (log,) = task_logs(out, array_job).values()
+    n = sum(shard_of(p.name, 2) == 1 for p in subs.iterdir())
+    assert f"shard 1/2: {n} graded before, grading 0" in log, log
+    assert "--force" not in jobs.grade_script.read_text()
+    assert record_files(out) == before
+    assert (out / CSV).read_text() == csv
 
 
 def test_b_a_cancelled_task_resubmitted_alone_completes_the_grade(
@@ -156,6 +203,56 @@ def test_b_a_cancelled_task_resubmitted_alone_completes_the_grade(
     assert f"shard 1/2: {len(before)} graded before, grading {len(files) - len(before)}" in log
     assert len(list(records.glob("*.json"))) == 7
     assert all(s.remaining == 0 for s in status(output_dir=out, show=False))
+
+
+def test_c_an_array_no_node_can_run_is_refused_before_submission(cluster, lab, subs,
+                                                                  tmp_path):
+    out = tmp_path / "grades"
+    too_many = cluster.cpus + 1
+    code, said = jaxlab(cluster, "slurm", subs, "-o", out, "--tasks", 2, "--cpus-per-task",
+                        too_many, "--autograder", lab.autograder, "--submit")
+    assert code == 1
+    assert " ".join(said.split()) == (
+        f"Error: --cpus-per-task {too_many} is more CPUs than any node of partition test has "
+        f"(the largest, {cluster.node}, has {cluster.cpus}): no task could ever start there, so "
+        "nothing was submitted"), said
+    assert not out.exists()  # nothing written
+    assert not cluster.run("squeue", "-h").stdout.strip()  # nothing submitted
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(TooBig):  # the API refuses alike
+        mp.setenv("SLURM_CONF", str(cluster.conf))
+        slurm(paths=[str(subs)], output_dir=str(out), tasks=2, cpus_per_task=too_many,
+              autograder=str(lab.autograder), submit=True, show=False)
+    assert not out.exists()
+
+
+def test_d_status_shows_why_slurm_keeps_a_task_waiting(cluster, lab, subs, tmp_path):
+    out = tmp_path / "grades"
+
+    def rows():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SLURM_CONF", str(cluster.conf))
+            return [(r.state, r.queue) for r in status(output_dir=out, queue=queue(out),
+                                                       show=False)]
+
+    cluster.run("scontrol", "update", "PartitionName=test", "State=DOWN")
+    try:  # a partition taken down: Slurm takes the array and keeps its tasks pending
+        jobs = submit(cluster, lab, subs, out, tmp_path / "node-cache")
+        waiting = [("queued", "pending (PartitionDown)")] * 2
+        deadline = time.monotonic() + 60
+        while rows() != waiting and time.monotonic() < deadline:  # said on its next pass
+            time.sleep(0.5)
+        assert rows() == waiting
+        code, said = jaxlab(cluster, "status", out)
+        assert code == 1, said
+        for k in (0, 1):
+            assert f"shard {k}/2 in the scheduler's queue: pending (PartitionDown)" in said, said
+        cluster.run("scancel", jobs.array_job, jobs.report_job)
+        cluster.wait(jobs.report_job, timeout=60)
+        cluster.wait(jobs.array_job, timeout=60)
+        assert rows() == [("queued", None)] * 2  # Slurm holds none of them now
+    finally:
+        cluster.run("scancel", "--user=root", check=False)
+        cluster.run("scontrol", "update", "PartitionName=test", "State=UP")
 
 
 def test_shards_split_by_file_key_stably_and_completely():

@@ -191,6 +191,22 @@ def test_the_warm_up_notebook_is_the_solution_shipped_beside_the_zip(tmp_path, m
     assert warmup.folder_for(zip_path) != first  # a rebuilt autograder warms again
 
 
+def test_the_sandbox_hides_the_package_that_holds_the_hidden_checks():
+    from jaxlab.grade.engine.sandbox import hidden_package_dirs
+
+    assert any((d / "checks" / "lab3.py").is_file() and (d / "grade").is_dir()
+               for d in hidden_package_dirs()), hidden_package_dirs()
+
+
+def test_the_shipped_autograders_are_found_from_any_folder(tmp_path, monkeypatch):
+    from jaxlab.grade.engine.autograder import shipped_autograder
+
+    monkeypatch.chdir(tmp_path)  # no autograder/ here: the checkout's own
+    root = pathlib.Path(__file__).resolve().parents[2]
+    assert shipped_autograder("lab3-parallelism") == \
+        root / "autograder" / "lab3-parallelism-autograder.zip"
+
+
 def test_the_sandbox_host_name_resolves_to_its_own_loopback(tmp_path):
     """gloo (JAX's collectives between processes on CPU) listens on the address of the host
     name; inside the sandbox there is no DNS, so its own /etc/hosts must name it."""

@@ -242,13 +242,14 @@ def describe_sharding(sev):
             names = " and ".join(f"'{a}'" for a in axes)
             parts.append(f"dimension {dim} split {ways} ways over mesh axis {names}")
     rest = [a for a in sev["axis_names"] if a not in used and sizes[a] > 1]
-    mesh = "×".join(str(n) for n in sev["mesh_shape"])
+    shape = sev["mesh_shape"]  # "the 8-device mesh", "the 2 × 4 mesh"
+    mesh = f"{shape[0]}-device" if len(shape) == 1 else " × ".join(str(n) for n in shape)
     if not parts:
         return f"replicated on every device of the {mesh} mesh"
     text = ", ".join(parts)
     if rest:
         text += ", replicated over mesh axis " + " and ".join(f"'{a}'" for a in rest)
-    return text + f" (spec {spec_repr(sev['spec'])} on a {mesh} mesh)"
+    return text + f" (spec {spec_repr(sev['spec'])} on the {mesh} mesh)"
 
 
 # --------------------------------------------------------------------------- form checks

@@ -11,6 +11,8 @@ from otter.nbmeta_config import NBMetadataConfig
 from otter.run.run_autograder.autograder_config import AutograderConfig
 from otter.test_files import create_test_file
 
+import jaxlab
+
 CHECKS_FILE_GLOB = "jaxlab_*.py"
 FORM_MODULE = "jaxlab_form"
 # a checks module declares ``JAXLAB_CHECKS = 1`` beside its QUESTIONS, probe and verdict
@@ -90,7 +92,8 @@ def _declares(path, name):
 
 def shipped_autograder(assignment=None, notebooks=()):
     """The autograder zip this repository ships for ``assignment`` (or the one the notebooks name)."""
-    roots = [pathlib.Path.cwd(), pathlib.Path(__file__).resolve().parents[3]]
+    # the checkout this package is installed from (editable): src/jaxlab/ -> the repository
+    roots = [pathlib.Path.cwd(), pathlib.Path(jaxlab.__file__).resolve().parents[2]]
     zips = sorted({z.resolve() for r in roots for z in (r / "autograder").glob("*-autograder.zip")})
     if not zips:
         raise FileNotFoundError("no autograder/*-autograder.zip found; pass --autograder")

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+import jaxlab
+
 # read-only parts of the system a Python process needs; a link (merged /usr) stays a link
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
                "/sys/devices/system/cpu")
@@ -190,7 +192,7 @@ def python_dirs():
 
 def hidden_package_dirs():
     """This package's own source (it holds the labs' hidden checks): never inside a sandbox."""
-    return [pathlib.Path(__file__).resolve().parents[1]]
+    return [pathlib.Path(jaxlab.__file__).resolve().parent]
 
 
 def bwrap_argv(folder, *, cache_dir=None, cache_writable=False, cpu=None, nproc=None):

@@ -148,7 +148,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         for t in slots:
             t.start()
         csv_at, csv_took = -float("inf"), 0.0
-        with tqdm(total=len(pending), unit="nb", desc="grading", disable=not show) as bar:
+        with _Progress(len(pending), show, "" if whole else f"shard {part}: ") as bar:
             for _ in pending:
                 record = done.get()
                 if row_notes:
@@ -184,6 +184,39 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         shutil.rmtree(scratch, ignore_errors=True)
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)
+
+
+class _Progress:
+    """tqdm's bar where stderr is a terminal; elsewhere (a Slurm log, a pipe, a file), where
+    each of the bar's redraws would stay behind as a carriage return, a plain line every
+    ~1/LINES of the batch and at its end, in tqdm's own words without the bar.
+
+    tqdm's ``disable=None`` is its own switch for "not a terminal"; ``mininterval`` only
+    spaces the redraws, which still land on one line of the log."""
+
+    LINES = 20  # at most this many lines per batch, plus the last
+    WORDS = "{desc}graded {n_fmt} of {total_fmt} ({percentage:.0f}%) in {elapsed}, " \
+            "{remaining} left"
+
+    def __init__(self, total, show, desc=""):
+        self.bar = tqdm(total=total, unit="nb", desc="grading", disable=None if show else True)
+        self.lines = show and self.bar.disable
+        self.total, self.n, self.desc, self.began = total, 0, desc, time.monotonic()
+        self.every = max(1, -(-total // self.LINES))
+
+    def update(self):
+        self.bar.update()
+        self.n += 1
+        if self.lines and (self.n % self.every == 0 or self.n == self.total):
+            print("jaxlab grade: " + tqdm.format_meter(
+                self.n, self.total, time.monotonic() - self.began, prefix=self.desc,
+                bar_format=self.WORDS), file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()
 
 
 def _exit_on_sigterm():

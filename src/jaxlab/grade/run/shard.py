@@ -205,6 +205,7 @@ class ShardStatus:
     started: float | None = None
     finished: float | None = None
     last_record: float | None = None  # when its newest record was written
+    queue: str | None = None  # what the scheduler says of its task, e.g. "pending (Resources)"
 
     @property
     def remaining(self):
@@ -225,8 +226,11 @@ class ShardStatus:
         return "started"
 
 
-def status(*, output_dir, show=True):
-    """Done, failed and remaining submissions per shard of OUTDIR's current split."""
+def status(*, output_dir, queue=None, show=True):
+    """Done, failed and remaining submissions per shard of OUTDIR's current split.
+
+    ``queue``: {Shard: what the scheduler says of its task} (``slurm.queue``), shown beside."""
+    queue = queue or {}
     split = current_split(output_dir)
     records = records_of(output_dir, split.files())
     folder = state_dir(output_dir) / RECORDS
@@ -242,7 +246,8 @@ def status(*, output_dir, show=True):
                                 done=sum(not r.catastrophic for r in mine),
                                 failed=sum(r.catastrophic for r in mine), host=m.host,
                                 started=m.started, finished=m.finished,
-                                last_record=max(times) if times else None))
+                                last_record=max(times) if times else None,
+                                queue=queue.get(m.shard)))
     if show:
         print_status(rows, split)
     return rows
@@ -271,6 +276,9 @@ def print_status(rows, split):
                   str(sum(r.remaining for r in known)) + ("+?" if len(known) < len(rows) else ""),
                   "", "")
     Console().print(t)
+    for r in rows:  # whole lines, not a column an 80-character table would cut short
+        if r.queue:
+            print(f"shard {r.shard} in the scheduler's queue: {r.queue}")
     if split.ignored:
         print(f"(older manifests of a {', '.join(map(str, split.ignored))}-way split are "
               "ignored)")
