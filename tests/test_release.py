@@ -265,6 +265,9 @@ def test_volatile_normaliser_ignores_emoji_timings_and_stream_splits_only():
                 [bar.format(50, 1), bar.format(100, 2) + "\n"])
     assert a == nb_with("\U0001f680", ["unsharded: 40.7 ms per call\n", "speedup:   0.81x\nloss 0.439\n"],
                         [bar.format(30, 3) + bar.format(100, 6) + "\n"])
+    slow = "\rtraining: {0}%|##| {0}/100 [01:4{1}<00:00,  1.0{1}s/it]"  # a loaded machine
+    assert a == nb_with("\u2728", [timing.format("38.1", "0.76", "0.439")],
+                        [slow.format(50, 1), slow.format(100, 4) + "\n"])
     # a result, not a time; a check that failed; a bar that stopped early
     assert a != nb_with("\u2728", [timing.format("38.1", "0.76", "0.440")], [bar.format(100, 2) + "\n"])
     assert a != nb_with("\u2728 failed", [timing.format("38.1", "0.76", "0.439")],
