@@ -131,6 +131,13 @@ class Record:
     phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds, over its runs
     # the student's cells as their kernels timed them, over its runs (the benchmark compares)
     cell_seconds: float = 0
+    # for the class's similarity check (``output.similarity``), kept so that ``jaxlab report``
+    # compares without the submissions: question -> the code cells of its part of the notebook
+    # (between the previous ``grader.check`` cell and its own), and question -> the traced
+    # programs its probe recorded, as a bag of normalised dataflow steps ({step: count}).
+    # Records written before these fields load with them empty.
+    answers: dict = dataclasses.field(default_factory=dict)
+    programs: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self):
         d = dataclasses.asdict(self)
@@ -176,3 +183,55 @@ class EvidenceLayout:
         expected = {p.with_suffix(x).name for q in questions
                     for p in (self.probe(q), self.claim(q)) for x in (".json", ".npz")}
         return sorted(p.name for p in self.folder.glob("*") if p.name not in expected)
+
+
+@dataclasses.dataclass(frozen=True)
+class Student:
+    """One submitter of a submission, as Gradescope's export names them."""
+
+    name: str
+    sid: str = ""
+    email: str = ""
+
+    def key(self):
+        """What tells two students apart: the email, else the SID, else the name."""
+        return (self.email or self.sid or self.name).strip().lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    """Who handed in one submission and when (a group submission has several students)."""
+
+    students: tuple  # of Student
+    time: str = ""  # ISO 8601 with its UTC offset; "" when the export gives none
+    entry: str = ""  # the entry of submission_metadata.yml, e.g. "submission_123456"
+
+
+@dataclasses.dataclass
+class Roster:
+    """Who submitted what: ``file`` (the submission's key in the records) -> Submitted.
+    Written once by the batch into the output folder, read by every later report."""
+
+    source: str  # where it was read from, for messages
+    files: dict = dataclasses.field(default_factory=dict)
+
+    def to_dict(self):
+        return {"source": self.source, "files": {
+            f: {"students": [dataclasses.asdict(s) for s in sub.students], "time": sub.time,
+                "entry": sub.entry} for f, sub in self.files.items()}}
+
+    @classmethod
+    def from_dict(cls, raw):
+        return cls(raw["source"], {
+            f: Submitted(tuple(Student(**s) for s in sub["students"]), sub.get("time", ""),
+                         sub.get("entry", "")) for f, sub in raw["files"].items()})
+
+    def write(self, path):
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path):
+        return cls.from_dict(json.loads(pathlib.Path(path).read_text()))
