@@ -12,11 +12,13 @@ Per question, each submission's answer is compared two ways, from what its recor
   ``jax.make_jaxpr`` (``engine.traces``), indifferent to names, constants, comments and the
   order of independent lines; the overlap of two bags (Dice).
 
-The question's similarity is the mean of the two (whichever exists when only one does). Most
-pairs of a class agree on a question because the task leaves one way to answer it, so a
-similarity alone says little: each is turned into how rare it is in this class, the share of
-pairs at least as alike on that question (an empirical p-value), and a pair's score adds up
-``-ln`` of those over the questions (Fisher's statistic). A pair is flagged when its score is
+The page shows each question's similarity as those two overlaps. Many pairs of a class agree
+on a question because the task leaves few ways to answer it, so overlap alone says little: what
+two answers share is weighed by how few of the class hold it (each fingerprint and step counts
+``ln(n / holders)``: what everyone wrote counts nothing), that shared information is turned
+into how rare it is among the class's pairs on that question (the share of pairs sharing at
+least as much: an empirical p-value), and a pair's score adds up ``-ln`` of those over the
+questions (Fisher's statistic). A pair is flagged when its score is
 higher than the highest score of any pair in classes made by shuffling each question's answers
 among the students independently (same answers, same per-question agreement, no student's
 answers tied together): ``FAMILY_ERROR`` of such classes would flag a pair.
@@ -116,15 +118,16 @@ def compare(records, template=None, *, seed=0):
                 fp = None
             prints.append(fp)
             code_of[(r.file, q)] = (code, fp)
-        code_sim = _dice_sets([set(fp.hashes.tolist()) if fp is not None else None
-                               for fp in prints])
-        trace_sim = _dice_bags([r.programs.get(q) or None for r in records])
+        code_sim, code_info = _overlaps([set(fp.hashes) if fp is not None else None
+                                         for fp in prints])
+        trace_sim, trace_info = _overlaps(_bag_sets([r.programs.get(q) or None
+                                                     for r in records]))
         with warnings.catch_warnings():  # a pair with neither: no evidence (0)
             warnings.simplefilter("ignore", RuntimeWarning)
             sim = np.nan_to_num(np.nanmean(np.stack([code_sim, trace_sim]), axis=0), nan=0.0)
         compared[q] = sum(fp is not None or bool(r.programs.get(q))
                           for fp, r in zip(prints, records))
-        evidence[q], sims[q] = _rarity(sim), (sim, code_sim, trace_sim)
+        evidence[q], sims[q] = _rarity(code_info + trace_info), (sim, code_sim, trace_sim)
     score = sum(evidence.values()) if questions else np.zeros((n, n))
     threshold = _null_threshold(evidence, n, seed)
     iu = np.triu_indices(n, 1)
@@ -159,15 +162,17 @@ def _num(x):
     return None if np.isnan(x) else float(x)
 
 
-def _dice_sets(sets):
-    """Pairwise Dice overlap of sets (NaN where either is None), through one sparse product."""
+def _overlaps(sets):
+    """Pairwise overlap of sets, through one sparse product: (Dice, NaN where either is None;
+    shared information, the sum over shared items of ln(n / how many hold it), 0 where none):
+    two students who share what most of the class wrote share little information."""
     from scipy import sparse
 
     n = len(sets)
-    out = np.full((n, n), np.nan)
+    out, info = np.full((n, n), np.nan), np.zeros((n, n))
     present = [i for i, s in enumerate(sets) if s]
     if not present:
-        return out
+        return out, info
     vocab = {}
     rows, cols = [], []
     for k, i in enumerate(present):
@@ -177,21 +182,23 @@ def _dice_sets(sets):
     x = sparse.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(present), len(vocab)))
     shared = (x @ x.T).toarray()
     size = np.asarray(x.sum(axis=1)).ravel()
-    dice = 2 * shared / (size[:, None] + size[None, :])
+    held = np.asarray(x.sum(axis=0)).ravel()
+    weighted = x.multiply(np.log(n / held)[None, :]).tocsr()
     idx = np.array(present)
-    out[np.ix_(idx, idx)] = dice
-    return out
+    out[np.ix_(idx, idx)] = 2 * shared / (size[:, None] + size[None, :])
+    info[np.ix_(idx, idx)] = (weighted @ x.T).toarray()
+    return out, info
 
 
-def _dice_bags(bags):
-    """Pairwise Dice overlap of multisets ({item: count}): a count c becomes c distinct items,
-    so the shared part is the sum of the smaller counts."""
-    return _dice_sets([{(k, c) for k, v in bag.items() for c in range(int(v))} if bag else None
-                       for bag in bags])
+def _bag_sets(bags):
+    """Multisets ({item: count}) as sets: a count c becomes c distinct items, so what two
+    share is the sum of the smaller counts."""
+    return [{(k, c) for k, v in bag.items() for c in range(int(v))} if bag else None
+            for bag in bags]
 
 
 def _rarity(sim):
-    """-ln of the share of pairs at least as alike as each pair (0 where they share nothing)."""
+    """-ln of the share of pairs sharing at least as much as each pair (0 where nothing)."""
     n = sim.shape[0]
     out = np.zeros_like(sim)
     if n < 2:
