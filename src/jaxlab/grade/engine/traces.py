@@ -74,6 +74,10 @@ def _jaxpr_steps(text):
         for name, _ in outs:
             scopes[-1][name] = prim
 
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # a kernel's JAX may print it in colour
+    # a short jaxpr prints on one line: give its lambda, equations and result lines of their own
+    text = re.sub(r"(\.\s*let)\s+", r"\1\n", text)
+    text = re.sub(r"\s+(in\s+\()", r"\n\1", text)
     for line in text.splitlines():
         lam = _LAMBDA.search(line)
         if lam:

@@ -32,10 +32,11 @@ import warnings
 
 import numpy as np
 
-K = 25  # copydetect's noise threshold: fingerprints are k-grams of this many filtered chars
+K = 12  # fingerprints are k-grams of this many filtered chars (copydetect: 25, for whole
+#        files; a notebook answer is often one line)
 WINDOW = 1  # winnow window: copydetect's default (guarantee threshold = noise threshold)
 MATCH_P = 0.1  # a question "matches" for a pair when at most this share of pairs is as alike
-MIN_CODE_CHARS = 20  # filtered code shorter than this (one short line) is no evidence
+MIN_CODE_CHARS = K  # filtered code shorter than one k-gram has no fingerprint
 FAMILY_ERROR = 0.01  # chance that a class without copying shows a flagged pair
 SHOWN = 10  # pairs on the page (flagged ones first)
 PERMUTATION_BUDGET = 4e8  # entries gathered by the shuffles: seconds, whatever the class size
@@ -108,8 +109,8 @@ def compare(records, template=None, *, seed=0):
                        key=_natural)
     evidence, sims, code_of, compared = {}, {}, {}, {}
     for q in questions:
-        boiler = _fingerprint("\n".join(template.get(q, [])), None).hashes \
-            if template.get(q) else None
+        boiler = np.array(sorted(_fingerprint("\n".join(template[q]), None).hashes),
+                          dtype=np.int64) if template.get(q) else None
         prints = []
         for r in records:
             code = strip_template(r.answers.get(q, []), template_lines)
