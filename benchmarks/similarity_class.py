@@ -1,0 +1,278 @@
+"""Measure the similarity check on a class built from the answer corpus.
+
+    .venv/bin/python benchmarks/similarity_class.py [--lab lab4-shard-map] [--students 40]
+                                                    [--copies 12] [--big 1000] [--seed 0]
+
+A class of ``--students`` independent students, each answering every question with a corpus
+answer (tests/answers/<lab>/, correct and wrong alike, drawn at random: honest students share
+answers often, as a class does where the task leaves few ways), plus ``--copies`` planted copies
+of some of them made the ways copiers work: variables renamed, independent lines reordered,
+comments and blank lines changed, a helper variable inlined, one answer replaced by another; a
+copy applies one of these, or all of them. Each distinct answer code is traced for real: the
+lab's solution notebook runs once in this process, then each answer runs in a copy of its
+globals and the lab's own probe (``jaxlab_<lab>.probe``, what the grading kernel runs) records
+its program, which ``engine.traces`` turns into steps; the answers a record keeps come from the
+built notebook through ``engine.cells.answer_regions``, as the worker does. Prints the planted
+pairs flagged (recall), independent pairs flagged (false positives), and the time of the check
+on ``--big`` synthetic submissions from the same generator (copies there reuse their original's
+traced steps).
+"""
+
+import argparse
+import ast
+import copy
+import os
+import pathlib
+import random
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("PJRT_NPROC", "16")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import nbformat  # noqa: E402
+import yaml  # noqa: E402
+
+from jaxlab.grade.engine.cells import answer_regions  # noqa: E402
+from jaxlab.grade.engine.traces import tokens  # noqa: E402
+from jaxlab.grade.model import Record  # noqa: E402
+from jaxlab.grade.output import similarity  # noqa: E402
+
+PROMPT = "### Your code here"
+KINDS = ("rename", "reorder", "comments", "inline", "one changed")
+
+
+# --------------------------------------------------------------------------- copiers
+class _Rename(ast.NodeTransformer):
+    def __init__(self, names):
+        self.names = names
+
+    def visit_Name(self, node):
+        if node.id in self.names:
+            node.id = self.names[node.id]
+        return node
+
+    def visit_arg(self, node):
+        if node.arg in self.names:
+            node.arg = self.names[node.arg]
+        return node
+
+    def visit_FunctionDef(self, node):
+        if node.name in self.names:
+            node.name = self.names[node.name]
+        self.generic_visit(node)
+        return node
+
+
+def rename(code, keep):
+    tree = ast.parse(code)
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.arg):
+            own.add(node.arg)
+        elif isinstance(node, ast.FunctionDef):
+            own.add(node.name)
+    names = {n: f"my_{n}" for n in sorted(own - set(keep))}
+    return ast.unparse(_Rename(names).visit(tree)) if names else None
+
+
+def _uses(stmt):
+    reads = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    writes = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    writes |= {n.name for n in ast.walk(stmt) if isinstance(n, ast.FunctionDef)}
+    return reads, writes
+
+
+def reorder(code, keep):
+    tree = ast.parse(code)
+    bodies = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    for body in bodies:
+        for i in range(len(body) - 1):
+            a, b = body[i], body[i + 1]
+            if isinstance(b, ast.Return) or isinstance(a, ast.Return):
+                continue
+            ra, wa = _uses(a)
+            rb, wb = _uses(b)
+            if not (wa & rb or wb & ra or wa & wb):
+                body[i], body[i + 1] = b, a
+                return ast.unparse(tree)
+    return None
+
+
+def comments(code, keep):
+    lines = [ln for ln in code.splitlines() if not ln.strip().startswith("#")]
+    out = ["# my answer, worked out below", ""]
+    for ln in lines:
+        out.append(ln)
+        if ln and not ln.startswith((" ", "\t", "@")) and not ln.rstrip().endswith((",", "(")):
+            out.append("")
+    return "\n".join(out)
+
+
+def inline(code, keep):
+    """Inline a variable assigned once and read once after it, within one body."""
+    tree = ast.parse(code)
+    bodies = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    for body in bodies:
+        for i, stmt in enumerate(body):
+            if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                    and isinstance(stmt.targets[0], ast.Name)) or stmt.targets[0].id in keep:
+                continue
+            name = stmt.targets[0].id
+            later = [n for s in body[i + 1:] for n in ast.walk(s)
+                     if isinstance(n, ast.Name) and n.id == name]
+            if len(later) == 1 and isinstance(later[0].ctx, ast.Load):
+                value = stmt.value
+
+                class Sub(ast.NodeTransformer):
+                    def visit_Name(self, node):
+                        return copy.deepcopy(value) if node is later[0] else node
+
+                for j in range(i + 1, len(body)):
+                    body[j] = Sub().visit(body[j])
+                del body[i]
+                return ast.unparse(tree)
+    return None
+
+
+COPIERS = {"rename": rename, "reorder": reorder, "comments": comments, "inline": inline}
+
+
+# --------------------------------------------------------------------------- the lab in process
+class Lab:
+    def __init__(self, lab):
+        import importlib.util
+
+        self.name = lab
+        self.template = nbformat.read(ROOT / "student" / lab / f"{lab}.ipynb", as_version=4)
+        solution = nbformat.read(ROOT / "solutions" / lab / f"{lab}.ipynb", as_version=4)
+        checks_src = ROOT / "src" / "jaxlab" / "checks"
+        import jaxlab.checks.form as form
+
+        sys.modules["jaxlab_form"] = form
+        number = lab.split("-")[0]
+        spec = importlib.util.spec_from_file_location(f"jaxlab_{number}", checks_src / f"{number}.py")
+        self.checks = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.checks)
+        self.corpus = {}
+        for path in sorted((ROOT / "tests" / "answers" / lab).glob("*.yaml")):
+            raw = yaml.safe_load(path.read_text())
+            self.corpus[path.stem] = [a["code"] for a in raw.get("correct", []) + raw.get("wrong", [])]
+        self.globals = {"__name__": "__main__"}
+        for cell in solution.cells:
+            src = cell.source
+            if cell.cell_type != "code" or cell.get("metadata", {}).get("editable") is False \
+                    or "grader" in src or src.lstrip().startswith(("%", "!")):
+                continue
+            try:
+                exec(compile(src, "<solution>", "exec"), self.globals)
+            except Exception as exc:  # e.g. Part D's processes: leave that question out
+                print(f"  (solution cell skipped: {type(exc).__name__}: {str(exc)[:80]})")
+        self.traced = {}
+
+    def trace(self, question, code):
+        key = (question, code)
+        if key not in self.traced:
+            g = dict(self.globals)
+            try:
+                exec(compile(code, "<answer>", "exec"), g)
+                names = self.checks.QUESTIONS[question].names
+                ev = self.checks.probe(question, {n: g.get(n) for n in names})
+                self.traced[key] = tokens(ev)
+            except Exception:
+                self.traced[key] = {}
+        return self.traced[key]
+
+    def record(self, file, answers, traced=True, programs=None):
+        nb = copy.deepcopy(self.template)
+        for q, code in answers.items():
+            for cell in nb.cells:
+                if cell.cell_type == "code" and cell.source.startswith(PROMPT) \
+                        and _question_after(nb, cell) == q:
+                    cell.source = code
+        progs = programs if programs is not None else \
+            {q: self.trace(q, code) for q, code in answers.items()} if traced else {}
+        return Record(file=file, sha256="", answers=answer_regions(nb),
+                      programs={q: p for q, p in progs.items() if p})
+
+
+def _question_after(nb, cell):
+    seen = False
+    for c in nb.cells:
+        if c is cell:
+            seen = True
+        elif seen and c.cell_type == "code" and "grader.check(" in c.source:
+            return c.source.split('"')[1]
+    return None
+
+
+def build(lab, students, copies, rng, traced=True, copy_programs=False):
+    questions = list(lab.corpus)
+    honest = [{q: rng.choice(lab.corpus[q]) for q in questions} for _ in range(students)]
+    records = [lab.record(f"student{i:04d}", a, traced) for i, a in enumerate(honest)]
+    planted, kinds = [], []
+    for c in range(copies):
+        src = c % students
+        kind = KINDS[c % len(KINDS)] if c < 2 * len(KINDS) else "all"
+        answers = dict(honest[src])
+        steps = KINDS[:-1] if kind == "all" else (kind,) if kind != "one changed" else ()
+        for q in questions:
+            keep = lab.checks.QUESTIONS[q].names
+            for step in steps:
+                done = COPIERS[step](answers[q], keep)
+                answers[q] = done if done else answers[q]
+        if kind in ("one changed", "all"):
+            q = rng.choice(questions)
+            answers[q] = rng.choice([a for a in lab.corpus[q] if a != honest[src][q]])
+        programs = {q: lab.trace(q, honest[src][q]) for q in questions} if copy_programs else None
+        records.append(lab.record(f"copy{c:03d}_of_{src:04d}", answers, traced, programs))
+        planted.append(frozenset((f"student{src:04d}", records[-1].file)))
+        kinds.append(kind)
+    return records, planted, kinds
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lab", default="lab4-shard-map")
+    ap.add_argument("--students", type=int, default=40)
+    ap.add_argument("--copies", type=int, default=12)
+    ap.add_argument("--big", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    t0 = time.monotonic()
+    lab = Lab(args.lab)
+    print(f"{args.lab}: {len(lab.corpus)} questions, {sum(map(len, lab.corpus.values()))} corpus "
+          f"answers; solution run in {time.monotonic() - t0:.0f} s")
+    regions = answer_regions(lab.template)
+    records, planted, kinds = build(lab, args.students, args.copies, rng)
+    print(f"traced {len(lab.traced)} distinct answers in {time.monotonic() - t0:.0f} s")
+    result = similarity.compare(records, regions)
+    flagged = {frozenset((p.a, p.b)) for p in result.flagged}
+    top = {frozenset((p.a, p.b)) for p in result.pairs[:len(planted)]}
+    n = len(records)
+    independent = n * (n - 1) // 2 - len(planted)
+    print(f"class of {n} ({args.students} students + {len(planted)} planted copies), "
+          f"threshold {result.threshold:.1f}, check took {result.seconds:.1f} s")
+    print(f"recall: {len(flagged & set(planted))}/{len(planted)} planted pairs flagged, "
+          f"{len(top & set(planted))}/{len(planted)} among the top {len(planted)} pairs")
+    for kind in dict.fromkeys(kinds):
+        got = [p in flagged for p, k in zip(planted, kinds) if k == kind]
+        print(f"  {kind:12s} {sum(got)}/{len(got)} flagged")
+    print(f"false positives: {len(flagged - set(planted))} of {independent} independent pairs "
+          "flagged")
+    big_copies = args.big // 10
+    big, _, _ = build(lab, args.big - big_copies, big_copies, rng, copy_programs=True)
+    result = similarity.compare(big, regions)
+    print(f"{args.big} synthetic submissions: the check took {result.seconds:.1f} s "
+          f"({len(result.flagged)} pairs flagged)")
+
+
+if __name__ == "__main__":
+    main()
