@@ -47,6 +47,24 @@ submission_301000006:
   :score: 4.0
   :status: processed
   :history: []
+submission_301000007:
+  :submitters:
+  - :name: Hana Ito
+    :sid: '1008'
+    :email: hana.ito@example.edu
+  :created_at: 2025-03-07 20:45:00.000000000 -08:00
+  :score: 4.0
+  :status: processed
+  :history: []
+submission_301000008:
+  :submitters:
+  - :name: Ian Moss
+    :sid: '1009'
+    :email: ian.moss@example.edu
+  :created_at: 2025-03-07 23:30:00.000000000 -08:00
+  :score: 4.0
+  :status: processed
+  :history: []
 """
 # Eve's own way to each answer, and Finn's copy of it: names changed, a line split off, comments
 EVE = {"y": 'y = jax.device_put(jnp.cumsum(jnp.full(8, 2.0)) - 2.0, NamedSharding(mesh, P("x")))',
@@ -57,6 +75,13 @@ FINN = {"y": '# start from twos\nbase = jnp.full(8, 2.0)\n\ny = jax.device_put(j
         "double": "def double(v):\n    # stack two copies and add them\n    parts = [v, v]\n"
                   "    return jnp.stack(parts).sum(axis=0)",
         "y_mean": "y_mean = float(jnp.sum(y) / y.shape[0])  # the average"}
+# honest students' own ways: a class where the solution's answers are common but not universal
+# (with six submissions, fifteen pairs, no pair can score above what 1% of shuffled classes reach)
+HANA = {"y": 'vals = jnp.arange(0, 16, 2).astype(jnp.float32)\n'
+             'y = jax.device_put(vals, NamedSharding(mesh, P("x")))'}
+IAN = {"y": 'sharding = NamedSharding(mesh, P("x"))\n'
+            'y = jax.device_put(jnp.linspace(0.0, 14.0, 8), sharding)',
+       "double": "def double(x):\n    return x + x", "y_mean": "y_mean = float(y.mean())"}
 WRONG = {"y": 'y = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P("x")))',
          "double": "def double(x):\n    return 3 * x", "y_mean": "y_mean = 0.0"}
 
@@ -79,7 +104,9 @@ def week(lab, tmp_path_factory):
             "submission_301000003": lab.notebook(),
             "submission_301000004": with_answers(lab.notebook(), EVE),
             "submission_301000005": with_answers(lab.notebook(), FINN),
-            "submission_301000006": lab.notebook()}
+            "submission_301000006": lab.notebook(),
+            "submission_301000007": with_answers(lab.notebook(), HANA),
+            "submission_301000008": with_answers(lab.notebook(), IAN)}
     for folder, nb in made.items():
         write(nb, root / folder / "fixture.ipynb")
     archive = shutil.make_archive(str(base / "export"), "zip", base, root.name)
@@ -101,7 +128,7 @@ def test_every_student_gets_a_row_with_name_sid_email_and_submission_time(week):
     assert df.iloc[0]["file"] == "points-per-question"
     students = df.iloc[1:]
     assert sorted(students["name"]) == ["Ann Lee", "Bo Chen", "Cara Diaz", "Dev Patel", "Eve Ng",
-                                        "Finn Ode", "Gus Hale"]
+                                        "Finn Ode", "Gus Hale", "Hana Ito", "Ian Moss"]
     bo, cara = row(df, "Bo Chen"), row(df, "Cara Diaz")  # one group submission, two rows
     assert bo["file"] == cara["file"] == "submission_301000002/fixture.ipynb"
     assert (bo["sid"], bo["email"]) == ("1002", "bo.chen@example.edu")
@@ -122,7 +149,7 @@ def test_late_penalties_are_applied_and_explained(week):
 def test_gradebook_files_parse_as_gradescope_and_canvas_read_them(week):
     gs = pd.read_csv(week["out"] / "gradescope_scores.csv", dtype={"SID": str})
     assert list(gs.columns) == ["Name", "SID", "Email", "Total Score", "Max Points"]
-    assert len(gs) == 7 and gs.set_index("SID").loc["1001", "Total Score"] == 4
+    assert len(gs) == 9 and gs.set_index("SID").loc["1001", "Total Score"] == 4
     with open(week["out"] / "canvas_grades.csv", newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "fixture"]
@@ -154,7 +181,7 @@ def test_the_copy_is_the_one_flagged_pair_with_its_cells_side_by_side(week, tmp_
     assert len(flagged) == 1 and "submission_301000004" in flagged[0] \
         and "submission_301000005" in flagged[0]
     assert "<mark>" in tree and "halves" in tree and "parts" in tree
-    png = browser.screenshot(page, tmp_path / "similar.png", height=4200)
+    png = browser.screenshot(page, tmp_path / "similar.png", height=2600)
     shutil.copy(png, week["out"] / "similar-screenshot.png")
     assert matplotlib.image.imread(png).std() > 0.05
     result = similar(output_dir=str(week["out"]), show=False)
