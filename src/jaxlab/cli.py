@@ -75,10 +75,16 @@ SHARED = [
                       "so in every row), 'require' to refuse grading without it, 'off' never."),
 ]
 
-def shared_options(f):
-    for option in reversed(SHARED):
-        f = option(f)
-    return f
+def _all(options):
+    """A decorator applying ``options`` in their listed order."""
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
+shared_options = _all(SHARED)
 
 
 # what a course adds around grading (`jaxlab grade` and `jaxlab report`; kept in OUTPUT_DIR)
@@ -107,11 +113,7 @@ COURSE = [
                       "leaves out (default: the shipped one for the autograder)."),
 ]
 
-
-def course_options(f):
-    for option in reversed(COURSE):
-        f = option(f)
-    return f
+course_options = _all(COURSE)
 
 
 def _grade_errors(call):

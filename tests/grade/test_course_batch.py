@@ -19,53 +19,17 @@ EXPORT = pathlib.Path(__file__).parent / "fixtures" / "gradescope_export"
 SETTINGS = dict(workers=2, timeout=90, cell_timeout=30, memory_mb=1200, output_cap_mb=1)
 POLICY = dict(deadline="2025-03-07 23:59 America/Los_Angeles", late_penalty="10%/day",
               grace="15m", late_cap="50%", cutoff="7d")
-MORE = """\
-submission_301000004:
-  :submitters:
-  - :name: Eve Ng
-    :sid: '1005'
-    :email: eve.ng@example.edu
-  :created_at: 2025-03-06 10:00:00.000000000 -08:00
-  :score: 4.0
-  :status: processed
-  :history: []
-submission_301000005:
-  :submitters:
-  - :name: Finn Ode
-    :sid: '1006'
-    :email: finn.ode@example.edu
-  :created_at: 2025-03-07 11:30:00.000000000 -08:00
-  :score: 4.0
-  :status: processed
-  :history: []
-submission_301000006:
-  :submitters:
-  - :name: Gus Hale
-    :sid: '1007'
-    :email: gus.hale@example.edu
-  :created_at: 2025-03-07 18:00:00.000000000 -08:00
-  :score: 4.0
-  :status: processed
-  :history: []
-submission_301000007:
-  :submitters:
-  - :name: Hana Ito
-    :sid: '1008'
-    :email: hana.ito@example.edu
-  :created_at: 2025-03-07 20:45:00.000000000 -08:00
-  :score: 4.0
-  :status: processed
-  :history: []
-submission_301000008:
-  :submitters:
-  - :name: Ian Moss
-    :sid: '1009'
-    :email: ian.moss@example.edu
-  :created_at: 2025-03-07 23:30:00.000000000 -08:00
-  :score: 4.0
-  :status: processed
-  :history: []
-"""
+# five more students, one submission each (id, name, sid, submitted), in the export's own form
+MORE_STUDENTS = [(4, "Eve Ng", "1005", "2025-03-06 10:00:00"),
+                 (5, "Finn Ode", "1006", "2025-03-07 11:30:00"),
+                 (6, "Gus Hale", "1007", "2025-03-07 18:00:00"),
+                 (7, "Hana Ito", "1008", "2025-03-07 20:45:00"),
+                 (8, "Ian Moss", "1009", "2025-03-07 23:30:00")]
+MORE = "".join(
+    f"submission_30100000{k}:\n  :submitters:\n  - :name: {name}\n    :sid: '{sid}'\n"
+    f"    :email: {name.lower().replace(' ', '.')}@example.edu\n"
+    f"  :created_at: {when}.000000000 -08:00\n  :score: 4.0\n  :status: processed\n"
+    "  :history: []\n" for k, name, sid, when in MORE_STUDENTS)
 # Eve's own way to each answer, and Finn's copy of it: names changed, a line split off, comments
 EVE = {"y": 'y = jax.device_put(jnp.cumsum(jnp.full(8, 2.0)) - 2.0, NamedSharding(mesh, P("x")))',
        "double": "def double(x):\n    halves = [x, x]\n    return jnp.stack(halves).sum(axis=0)",
