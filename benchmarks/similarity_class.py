@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/similarity_class.py [--lab lab4-shard-map] [--students 40]
                                                     [--copies 12] [--big 1000] [--seed 0]
+                                                    [--train-steps 10]
 
 A class of ``--students`` independent students, each answering every question with a corpus
 answer (tests/answers/<lab>/, correct and wrong alike, drawn at random: honest students share
@@ -16,11 +17,20 @@ built notebook through ``engine.cells.answer_regions``, as the worker does. Prin
 pairs flagged (recall), independent pairs flagged (false positives), and the time of the check
 on ``--big`` synthetic submissions from the same generator (copies there reuse their original's
 traced steps).
+
+``--train-steps``: the steps the notebook's ``train`` helper runs when an answer calls it (the
+notebook's own 1,000 with 0). Lab 4's q10 answers train for 1,000 steps before the probe traces
+``update`` on fresh inputs: the traced program does not depend on how long the answer trained
+(only ``params_trained`` does, which grades and is not compared), so the benchmark trains for
+a few steps and checks that claim once: one corpus answer is traced after both trainings and
+the two bags of steps must be equal.
 """
 
 import argparse
 import ast
 import copy
+import functools
+import inspect
 import os
 import pathlib
 import random
@@ -146,7 +156,7 @@ COPIERS = {"rename": rename, "reorder": reorder, "comments": comments, "inline":
 
 # --------------------------------------------------------------------------- the lab in process
 class Lab:
-    def __init__(self, lab):
+    def __init__(self, lab, train_steps=0):
         import importlib.util
 
         self.name = lab
@@ -174,19 +184,37 @@ class Lab:
                 exec(compile(src, "<solution>", "exec"), self.globals)
             except Exception as exc:  # e.g. Part D's processes: leave that question out
                 print(f"  (solution cell skipped: {type(exc).__name__}: {str(exc)[:80]})")
-        self.traced = {}
+        self.traced, self.failed = {}, {}
+        self.full_train = self.globals.get("train")
+        if train_steps and callable(self.full_train) and \
+                "steps" in inspect.signature(self.full_train).parameters:
+            self.globals["train"] = functools.partial(self.full_train, steps=train_steps)
 
-    def trace(self, question, code):
-        key = (question, code)
+    def same_trace_with_full_training(self):
+        """None when no question trains; else whether one training answer traces the same
+        after the notebook's full training as after the short one."""
+        full = self.full_train
+        if full is None or self.globals["train"] is full:
+            return None
+        for q, answers in self.corpus.items():
+            code = next((a for a in answers if "train(" in a), None)
+            if code is not None:
+                short = self.trace(q, code)
+                return bool(short) and short == self.trace(q, code, {"train": full})
+        return None
+
+    def trace(self, question, code, overrides=None):
+        key = (question, code, tuple(sorted(overrides or ())))
         if key not in self.traced:
-            g = dict(self.globals)
+            g = {**self.globals, **(overrides or {})}
             try:
                 exec(compile(code, "<answer>", "exec"), g)
                 names = self.checks.QUESTIONS[question].names
                 ev = self.checks.probe(question, {n: g.get(n) for n in names})
                 self.traced[key] = tokens(ev)
-            except Exception:
+            except Exception as exc:  # a wrong answer may raise: its record has no program
                 self.traced[key] = {}
+                self.failed[key] = f"{type(exc).__name__}: {str(exc)[:60]}"
         return self.traced[key]
 
     def record(self, file, answers, traced=True, programs=None):
@@ -244,15 +272,24 @@ def main():
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--big", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-steps", type=int, default=10,
+                    help="steps of the notebook's train helper in answers (0: its own)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     t0 = time.monotonic()
-    lab = Lab(args.lab)
+    lab = Lab(args.lab, args.train_steps)
     print(f"{args.lab}: {len(lab.corpus)} questions, {sum(map(len, lab.corpus.values()))} corpus "
           f"answers; solution run in {time.monotonic() - t0:.0f} s")
     regions = answer_regions(lab.template)
     records, planted, kinds = build(lab, args.students, args.copies, rng)
     print(f"traced {len(lab.traced)} distinct answers in {time.monotonic() - t0:.0f} s")
+    empty = [k for k, v in lab.traced.items() if not v]
+    print(f"  {len(empty)} of them traced nothing ({len(lab.failed)} raised, e.g. "
+          f"{next(iter(lab.failed.values()), '-')})")
+    same = lab.same_trace_with_full_training()
+    if same is not None:
+        print(f"a training answer traces {'the same' if same else 'DIFFERENTLY'} after "
+              f"{args.train_steps} and after the notebook's full training")
     result = similarity.compare(records, regions)
     flagged = {frozenset((p.a, p.b)) for p in result.flagged}
     top = {frozenset((p.a, p.b)) for p in result.pairs[:len(planted)]}

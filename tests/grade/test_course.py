@@ -68,24 +68,49 @@ def test_malformed_metadata_names_the_file_and_the_line(tmp_path):
     with pytest.raises(gradescope.BadExport, match=r"submission_metadata.yml is not valid YAML "
                                                    r"at line \d"):
         gradescope.find([str(root)], tmp_path / "x")
-    (root / gradescope.METADATA).write_text("submission_301000001:\n  :created_at: 2025-01-01\n")
-    with pytest.raises(gradescope.BadExport, match="entry 'submission_301000001': expected a "
-                                                   "list of :submitters"):
+    (root / gradescope.METADATA).write_text("- just\n- a list\n")
+    with pytest.raises(gradescope.BadExport, match="should map each submission folder"):
         gradescope.find([str(root)], tmp_path / "x")
+
+
+def test_a_malformed_entry_is_named_and_its_folder_still_graded(tmp_path):
+    root = export_copy(tmp_path / "export")
+    text = (root / gradescope.METADATA).read_text()
+    text = text.replace("  :submitters:\n  - :name: Ann Lee\n    :sid: '1001'\n"
+                        "    :email: ann.lee@example.edu\n", "")
+    text = text.replace("2025-03-08 00:10:00.000000000 -08:00", "next tuesday")
+    text = text.replace("  - :name: Cara Diaz\n    :sid: '1003'\n    :email: cara.diaz@example.edu",
+                        "  - 42")
+    (root / gradescope.METADATA).write_text(text)
+    found = gradescope.find([str(root)], tmp_path / "x")
+    assert len(found.submissions) == 3
+    said = "\n".join(found.warnings)
+    assert "entry 'submission_301000001': expected a list of :submitters" in said, said
+    assert "entry 'submission_301000002': submitter 2 has no :name, :sid or :email" in said
+    assert "entry 'submission_301000003': :created_at 'next tuesday' is not a time" in said
+    assert len(found.warnings) == 3
+    files = found.roster.files
+    assert files["submission_301000001/lab.ipynb"].students == ()
+    assert [s.name for s in files["submission_301000002/lab.ipynb"].students] == ["Bo Chen"]
+    assert files["submission_301000003/lab.ipynb"].time == ""
 
 
 def test_a_folder_missing_from_the_metadata_and_an_entry_without_folder_are_named(tmp_path):
     root = export_copy(tmp_path / "export")
     (root / "submission_999").mkdir()
     (root / "submission_999" / "lab.ipynb").write_text("{}")
+    (root / "submission_998").mkdir()  # no notebook: not a submission, nothing said
     shutil.rmtree(root / "submission_301000003")
     found = gradescope.find([str(root)], tmp_path / "x")
+    # the stray folder is graded all the same, with no student named
     assert [s.file.split("/")[0] for s in found.submissions] == [
-        "submission_301000001", "submission_301000002"]
-    assert any("submission_999: this folder is not an entry of submission_metadata.yml" in w
-               for w in found.warnings), found.warnings
+        "submission_301000001", "submission_301000002", "submission_999"]
+    assert "submission_999/lab.ipynb" not in found.roster.files
+    assert any("submission_999: this folder is not an entry of submission_metadata.yml; it is "
+               "graded, but its row names no student" in w for w in found.warnings), found.warnings
     assert any("entry 'submission_301000003': no folder submission_301000003/" in w
                and "Dev Patel" in w for w in found.warnings), found.warnings
+    assert len(found.warnings) == 2
 
 
 def test_a_student_in_two_submissions_is_named_and_the_latest_counts(tmp_path):
@@ -98,6 +123,11 @@ def test_a_student_in_two_submissions_is_named_and_the_latest_counts(tmp_path):
     (warning,) = found.warnings
     assert "Ann Lee (ann.lee@example.edu) is a submitter of submission_301000001, " \
            "submission_301000003" in warning and "the latest, submission_301000003" in warning
+    # the latest in time, whatever the offsets say as text
+    (root / gradescope.METADATA).write_text(text.replace(
+        "2025-03-08 00:10:00.000000000 -08:00", "2025-03-07 23:30:00.000000000 +05:00"))
+    (warning,) = gradescope.find([str(root)], tmp_path / "x").warnings
+    assert "the latest, submission_301000001" in warning
 
 
 # --------------------------------------------------------------------------- the late policy

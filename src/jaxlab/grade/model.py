@@ -3,6 +3,7 @@ where a kernel's evidence lies. Defaults live here and nowhere else.
 """
 
 import dataclasses
+import datetime
 import enum
 import json
 import pathlib
@@ -205,6 +206,12 @@ class Submitted:
     students: tuple  # of Student
     time: str = ""  # ISO 8601 with its UTC offset; "" when the export gives none
     entry: str = ""  # the entry of submission_metadata.yml, e.g. "submission_123456"
+
+
+def instant(iso):
+    """A submission time (``Submitted.time``) as a comparable instant; the earliest when ""."""
+    return datetime.datetime.fromisoformat(iso) if iso else \
+        datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ import shutil
 import sys
 import zipfile
 
-from ..model import Roster, Student, Submitted
+from ..model import Roster, Student, Submitted, instant
 from .submissions import SUFFIXES, Submission
 
 METADATA = "submission_metadata.yml"
@@ -61,20 +61,24 @@ def find(paths, unpack_to):
         given = _unpack(given, pathlib.Path(unpack_to))
     root = _metadata_in(given).parent
     roster, warnings = read(root)
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir()
+                     and not p.name.startswith(".") and p.name != "__MACOSX")
     subs = []
-    for folder, submitted in sorted(roster.files.items()):
+    for folder in sorted({*roster.files, *folders}):
         sub, note = _pick(root / folder)
+        if folder not in roster.files:
+            if sub is not None:  # graded all the same: nothing handed in is dropped
+                warnings.append(f"{root / folder}: this folder is not an entry of {METADATA}; "
+                                "it is graded, but its row names no student and the gradebook "
+                                "files leave it out")
+            else:
+                continue
         if note:
             warnings.append(f"{root / folder}: {note}")
         if sub is not None:
             subs.append(sub)
     files = {s.file.split("/")[0]: s.file for s in subs}
     roster.files = {files[f]: s for f, s in roster.files.items() if f in files}
-    for folder in sorted(p.name for p in root.iterdir() if p.is_dir()
-                         and not p.name.startswith(".") and p.name not in files):
-        if any(p.suffix.lower() in SUFFIXES for p in (root / folder).rglob("*")):
-            warnings.append(f"{root / folder}: this folder is not an entry of {METADATA}, so "
-                            "it is not graded (it was not part of Gradescope's export)")
     return Export(root, roster, subs, warnings)
 
 
@@ -142,41 +146,58 @@ def read(root):
     for entry, data in raw.items():
         entry = str(entry)
         where = f"{path}, entry {entry!r}"
-        if not isinstance(data, dict) or not isinstance(data.get(":submitters"), list) \
-                or not data[":submitters"]:
-            raise BadExport(f"{where}: expected a list of :submitters (each with :name, :sid, "
-                            ":email)")
-        students = []
-        for i, s in enumerate(data[":submitters"]):
-            if not isinstance(s, dict) or not str(s.get(":name") or "").strip():
-                raise BadExport(f"{where}: submitter {i + 1} has no :name")
-            students.append(Student(str(s[":name"]).strip(), _text(s.get(":sid")),
-                                    _text(s.get(":email"))))
-        time = _time(data.get(":created_at"), where)
+        students, time, problems = _entry(data)
         if not (pathlib.Path(root) / entry).is_dir():
             warnings.append(f"{where}: no folder {entry}/ in the export; nothing to grade for "
-                            f"{', '.join(s.name for s in students)}")
+                            f"{', '.join(s.name or s.key() for s in students) or 'it'}")
             continue
+        warnings.extend(f"{where}: {p}" for p in problems)
         for s in students:
             seen.setdefault(s.key(), []).append((entry, time, s))
         files[entry] = Submitted(tuple(students), time, entry)
     for key, entries in seen.items():
         if len(entries) > 1:
-            latest = max(entries, key=lambda e: e[1])
+            latest = max(entries, key=lambda e: instant(e[1]))
             warnings.append(f"{path}: {entries[0][2].name} ({key}) is a submitter of "
                             f"{', '.join(e[0] for e in entries)}; every row is graded, and the "
                             f"gradebook files take the latest, {latest[0]}")
     return Roster(str(path), files), warnings
 
 
+def _entry(data):
+    """(students, time, problems) of one entry: what is malformed in it is left out and said in
+    ``problems``, so that its folder is still graded."""
+    if not isinstance(data, dict):
+        return [], "", [f"expected :submitters and :created_at, found {type(data).__name__}; "
+                        "graded, but its row names no student and has no submission time"]
+    problems, students = [], []
+    submitters = data.get(":submitters")
+    if not isinstance(submitters, list) or not submitters:
+        problems.append("expected a list of :submitters (each with :name, :sid, :email); "
+                        "graded, but its row names no student")
+        submitters = []
+    for i, s in enumerate(submitters):
+        student = Student(*(_text(s.get(k)) for k in (":name", ":sid", ":email"))) \
+            if isinstance(s, dict) else None
+        if student is None or not student.key():
+            problems.append(f"submitter {i + 1} has no :name, :sid or :email; left out")
+        else:
+            students.append(student)
+    time, problem = _time(data.get(":created_at"))
+    if problem:
+        problems.append(f":created_at {problem}; graded with no submission time, so no late "
+                        "penalty applies")
+    return students, time, problems
+
+
 def _text(value):
     return "" if value is None else str(value).strip()
 
 
-def _time(value, where):
-    """``:created_at`` as ISO 8601 with its offset ("" when absent)."""
+def _time(value):
+    """(``:created_at`` as ISO 8601 with its offset or "", what is wrong with it or None)."""
     if value is None or value == "":
-        return ""
+        return "", None
     if isinstance(value, datetime.datetime):
         parsed = value
     else:
@@ -189,10 +210,10 @@ def _time(value, where):
             except (TypeError, ValueError):
                 continue
         if parsed is None:
-            raise BadExport(f"{where}: :created_at {text!r} is not a time")
+            return "", f"{text!r} is not a time"
     if parsed.tzinfo is None:
-        raise BadExport(f"{where}: :created_at {value} has no UTC offset")
-    return parsed.isoformat()
+        return "", f"{value} has no UTC offset"
+    return parsed.isoformat(), None
 
 
 def _ruby_time(text):

@@ -20,6 +20,8 @@ import csv
 import datetime
 import pathlib
 
+from ..model import instant
+
 STUDENT_COLUMNS = ["name", "sid", "email", "submitted"]
 LATE_COLUMNS = ["late_penalty", "final_score", "late_reason"]
 GRADESCOPE_FILE = "gradescope_scores.csv"
@@ -73,15 +75,9 @@ def latest_per_student(frame):
                     zip(rows["email"].fillna(""), rows["sid"].fillna("").astype(str),
                         rows["name"].fillna(""))]
     rows = rows[rows["_key"] != ""]
-    rows["_time"] = rows["submitted"].fillna("").map(_sortable)
+    rows["_time"] = rows["submitted"].fillna("").map(instant)
     rows = rows.sort_values(["_key", "_time"]).groupby("_key", sort=False).tail(1)
     return rows.sort_values(["name", "_key"]).drop(columns=["_key", "_time"])
-
-
-def _sortable(text):
-    if not text:
-        return datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
-    return datetime.datetime.fromisoformat(text)
 
 
 def score_column(frame):
