@@ -57,6 +57,30 @@ def test_export_zip_with_a_top_folder_is_unpacked_and_read_alike(tmp_path):
     assert found.roster.files["submission_301000001/lab.ipynb"].students[0].name == "Ann Lee"
 
 
+def test_shards_unpacking_one_export_at_once_all_read_it_and_a_new_zip_replaces_it(tmp_path):
+    import concurrent.futures
+    import os
+
+    root = export_copy(tmp_path / "assignment_9_export")
+    archive = tmp_path / "submissions.zip"
+    shutil.make_archive(str(archive.with_suffix("")), "zip", tmp_path, root.name)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        found = list(pool.map(lambda _: gradescope.find([str(archive)], tmp_path / "unpacked"),
+                              range(6)))
+    assert all(len(f.submissions) == 3 and all(s.path.is_file() for s in f.submissions)
+               for f in found)
+    # the export downloaded again, with a submission more: unpacked afresh
+    (root / "submission_301000003" / "lab.ipynb").unlink()
+    shutil.make_archive(str(archive.with_suffix("")), "zip", tmp_path, root.name)
+    os.utime(archive, ns=(1, 1))
+    again = gradescope.find([str(archive)], tmp_path / "unpacked")
+    assert [s.file.split("/")[0] for s in again.submissions] == [
+        "submission_301000001", "submission_301000002"]
+    assert sorted(p.name for p in (tmp_path).iterdir() if p.name.startswith(".")) == []
+    assert [p.name for p in (tmp_path / "unpacked").parent.iterdir()
+            if p.name.startswith(".unpacked")] == []
+
+
 def test_not_an_export_is_left_to_the_usual_search(tmp_path):
     (tmp_path / "a.ipynb").write_text("{}")
     assert gradescope.find([str(tmp_path)], tmp_path / "x") is None

@@ -183,7 +183,39 @@ def test_bad_input_is_one_sentence_and_loses_nothing(week, tmp_path):
     with pytest.raises(ValueError, match="--only nobody: no submission"):
         grade(paths=[week["archive"]], output_dir=str(out), only=["nobody"], show=False,
               autograder=str(_autograder(out)), **SETTINGS)
+    broken = tmp_path / "broken_export"
+    shutil.copytree(EXPORT, broken)
+    (broken / "submission_metadata.yml").write_text("submission_1:\n  :submitters: [\n")
+    with pytest.raises(ValueError, match=r"broken_export/submission_metadata.yml is not valid "
+                                         r"YAML at line \d"):
+        grade(paths=[str(broken)], output_dir=str(out), show=False,
+              autograder=str(_autograder(out)), **SETTINGS)
     assert (out / "final_grades.csv").read_text() == csv_before
+
+
+def test_a_folder_graded_before_the_course_files_existed_still_reports(week, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(week["out"], old, ignore=shutil.ignore_patterns("export"))
+    state = old / ".jaxlab"
+    for name in ("roster.json", "late-policy.json", "template.ipynb"):
+        (state / name).unlink()
+    for name in ("final_grades.csv", "report.html", "gradescope_scores.csv", "canvas_grades.csv",
+                 "similar_pairs.csv"):
+        (old / name).unlink()
+    for path in (state / "records").glob("*.json"):  # records as an older jaxlab wrote them
+        raw = json.loads(path.read_text())
+        del raw["answers"], raw["programs"]
+        path.write_text(json.dumps(raw))
+    assert report(output_dir=str(old), show=False)
+    df = pd.read_csv(old / "final_grades.csv")
+    assert list(df.columns) == ["file", "q1", "q2", "q3", "total_points_earned",
+                                "percent_correct", "grading_status"]
+    assert len(df) == 9 and df["total_points_earned"].iloc[1:].max() == 4
+    page = (old / "report.html").read_text()
+    assert "what the class got wrong" in page and 'id="similar"' not in page
+    assert not (old / "gradescope_scores.csv").exists()
+    with pytest.raises(ValueError, match="keep no answers to compare"):
+        similar(output_dir=str(old), show=False)
 
 
 def _autograder(out):

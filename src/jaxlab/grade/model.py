@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import enum
 import json
+import os
 import pathlib
 
 MiB = 2**20
@@ -208,6 +209,18 @@ class Submitted:
     entry: str = ""  # the entry of submission_metadata.yml, e.g. "submission_123456"
 
 
+def write_atomically(path, data):
+    """Write ``data`` (text or bytes) to ``path`` through a file of this process's own, so that
+    shards writing the same file at once never see each other's half (the last one wins)."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    if isinstance(data, bytes):
+        tmp.write_bytes(data)
+    else:
+        tmp.write_text(data, encoding="utf-8")
+    tmp.replace(path)
+
+
 def instant(iso):
     """A submission time (``Submitted.time``) as a comparable instant; the earliest when ""."""
     return datetime.datetime.fromisoformat(iso) if iso else \
@@ -234,10 +247,7 @@ class Roster:
                          sub.get("entry", "")) for f, sub in raw["files"].items()})
 
     def write(self, path):
-        path = pathlib.Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
+        write_atomically(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def read(cls, path):

@@ -24,12 +24,14 @@ import datetime
 import pathlib
 import shutil
 import sys
+import tempfile
 import zipfile
 
 from ..model import Roster, Student, Submitted, instant
 from .submissions import SUFFIXES, Submission
 
 METADATA = "submission_metadata.yml"
+STAMP = ".unpacked-from"  # in the unpacked folder: which zip (path, size, time) it holds
 
 
 class BadExport(ValueError):
@@ -104,23 +106,46 @@ def _only_subfolder(path):
 
 
 def _unpack(zip_path, dest):
-    """Unpack the export into ``dest`` (again only when the zip changed); that folder."""
-    stamp = dest / ".unpacked-from"
+    """Unpack the export into ``dest`` (again only when the zip changed); that folder. Shards
+    of one batch may unpack at once: each unpacks into a folder of its own and renames it into
+    place, and a shard that finds another's copy of the same zip there takes it."""
     mark = f"{zip_path.resolve()} {zip_path.stat().st_size} {zip_path.stat().st_mtime_ns}"
-    if not (stamp.is_file() and stamp.read_text() == mark):
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir(parents=True)
-        with zipfile.ZipFile(zip_path) as zf:
-            for m in zf.infolist():
-                parts = pathlib.PurePosixPath(m.filename).parts
-                if m.is_dir() or not parts or m.filename.startswith("/") or ".." in parts \
-                        or parts[0] == "__MACOSX":
-                    continue
-                target = dest.joinpath(*parts)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with zf.open(m) as src, open(target, "wb") as out:
-                    shutil.copyfileobj(src, out)
-        stamp.write_text(mark)
+
+    def current():
+        stamp = dest / STAMP
+        return stamp.is_file() and stamp.read_text() == mark
+
+    if current():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fresh = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    with zipfile.ZipFile(zip_path) as zf:
+        for m in zf.infolist():
+            parts = pathlib.PurePosixPath(m.filename).parts
+            if m.is_dir() or not parts or m.filename.startswith("/") or ".." in parts \
+                    or parts[0] == "__MACOSX":
+                continue
+            target = fresh.joinpath(*parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(m) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out)
+    (fresh / STAMP).write_text(mark)
+    stale = None
+    if dest.exists() and not current():  # an older export: set aside, removed below
+        stale = fresh.with_name(fresh.name + "-stale")
+        try:
+            dest.rename(stale)
+        except FileNotFoundError:  # another shard moved it first
+            stale = None
+    try:
+        fresh.rename(dest)
+    except OSError:  # another shard's copy got there first
+        shutil.rmtree(fresh, ignore_errors=True)
+        if not current():
+            raise BadExport(f"{zip_path}: could not unpack it into {dest} (another process "
+                            "is unpacking a different export there)") from None
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
     return dest
 
 

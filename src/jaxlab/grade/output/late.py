@@ -17,6 +17,8 @@ import pathlib
 import re
 import zoneinfo
 
+from ..model import write_atomically
+
 UNITS = {"day": datetime.timedelta(days=1), "hour": datetime.timedelta(hours=1)}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|day|days|h|hr|hour|hours|m|min|minutes?)\b")
 _STEP = {"d": "days", "day": "days", "days": "days", "h": "hours", "hr": "hours",
@@ -120,7 +122,7 @@ class Policy:
                    extensions_file=raw.get("extensions_file"))
 
     def write(self, path):
-        pathlib.Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        write_atomically(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def read(cls, path):

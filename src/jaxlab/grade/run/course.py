@@ -9,10 +9,9 @@ updates its extensions) and ``.jaxlab/canvas-roster.csv`` (a copy of the last on
 
 import dataclasses
 import pathlib
-import shutil
 import sys
 
-from ..model import Roster
+from ..model import Roster, write_atomically
 from ..output import late
 from ..output.classreport import write_class_report
 from ..output.gradebook import read_canvas_roster
@@ -92,7 +91,7 @@ def canvas_roster_of(out, given=None):
     if given is not None:
         rows = read_canvas_roster(given)
         kept.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(given, kept)
+        write_atomically(kept, pathlib.Path(given).read_bytes())
         return rows
     return read_canvas_roster(kept) if kept.is_file() else None
 
@@ -153,7 +152,7 @@ def keep_template(out, template):
         dest = shards.state_dir(out) / TEMPLATE
         dest.parent.mkdir(parents=True, exist_ok=True)
         if pathlib.Path(template).resolve() != dest.resolve():
-            shutil.copyfile(template, dest)
+            write_atomically(dest, pathlib.Path(template).read_bytes())
 
 
 def template_regions(out, template=None):
