@@ -144,6 +144,7 @@ def test_the_copy_is_the_one_flagged_pair_with_its_cells_side_by_side(week, tmp_
     flagged = [line for line in tree.split("<tr") if 'data-flagged="1"' in line]
     assert len(flagged) == 1 and "submission_301000004" in flagged[0] \
         and "submission_301000005" in flagged[0]
+    assert "(Eve Ng)" in flagged[0] and "(Finn Ode)" in flagged[0]  # the roster's students
     assert "<mark>" in tree and "halves" in tree and "parts" in tree
     png = browser.screenshot(page, tmp_path / "similar.png", height=2600)
     shutil.copy(png, week["out"] / "similar-screenshot.png")

@@ -69,6 +69,11 @@ class Result:
     compared: dict  # question -> how many submissions had something to compare
     code: dict  # (file, question) -> (code without starter code, fingerprint)
     seconds: float = 0.0
+    who: dict = dataclasses.field(default_factory=dict)  # file -> its students, in words
+
+    def named(self, file):
+        """``file`` with its students when the roster names them."""
+        return f"{file} ({self.who[file]})" if self.who.get(file) else file
 
     @property
     def flagged(self):
@@ -261,20 +266,23 @@ def section(result, link):
         mark = '<b class="flag">flagged</b> ' if p.flagged else ""
         out.append(f'<tr data-pair="{k}" data-a="{e(p.a)}" data-b="{e(p.b)}" '
                    f'data-flagged="{int(p.flagged)}"><td>{mark}<a href="{e(link(p.a))}">'
-                   f'{e(p.a)}</a> · <a href="{e(link(p.b))}">{e(p.b)}</a></td>'
+                   f'{e(result.named(p.a))}</a> · <a href="{e(link(p.b))}">'
+                   f'{e(result.named(p.b))}</a></td>'
                    f'<td class="num">{p.score:.1f}</td><td>{qs}</td></tr>')
     out.append("</tbody></table>")
     for k, p in enumerate(result.pairs):
         if not p.flagged or not p.matches:
             continue
         out.append(f'<details class="side" data-pair="{k}"{" open" if k == 0 else ""}>'
-                   f"<summary>{e(p.a)} and {e(p.b)}: the matching cells</summary>")
+                   f"<summary>{e(result.named(p.a))} and {e(result.named(p.b))}: the "
+                   "matching cells</summary>")
         for m in p.matches:
             left, right = _highlighted(result, p.a, p.b, m.question)
             out.append(f'<h3>{e(m.question)} · code {_pct(m.code)} · program {_pct(m.trace)}'
                        f' · as alike as {m.p:.0%} of pairs</h3><div class="sbs">'
-                       f'<div><div class="who">{e(p.a)}</div><pre>{left}</pre></div>'
-                       f'<div><div class="who">{e(p.b)}</div><pre>{right}</pre></div></div>')
+                       f'<div><div class="who">{e(result.named(p.a))}</div><pre>{left}</pre>'
+                       f'</div><div><div class="who">{e(result.named(p.b))}</div>'
+                       f"<pre>{right}</pre></div></div>")
         out.append("</details>")
     out.append("</section>")
     return "".join(out)
@@ -330,10 +338,12 @@ def write_csv(out, result):
     path = pathlib.Path(out) / PAIRS_CSV
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["a", "b", "score", "flagged", "threshold", "questions_alike"])
+        w.writerow(["a", "b", "score", "flagged", "threshold", "questions_alike", "a_students",
+                    "b_students"])
         for p in result.pairs:
             w.writerow([p.a, p.b, f"{p.score:.2f}", int(p.flagged), f"{result.threshold:.2f}",
-                        " ".join(m.question for m in p.matches)])
+                        " ".join(m.question for m in p.matches), result.who.get(p.a, ""),
+                        result.who.get(p.b, "")])
     return path
 
 
@@ -346,7 +356,7 @@ def print_pairs(result):
     for col in ("pair", "score", "flagged", "questions alike (code / program)"):
         t.add_column(col, justify="right" if col == "score" else "left")
     for p in result.pairs:
-        t.add_row(f"{p.a}  ·  {p.b}", f"{p.score:.1f}", "yes" if p.flagged else "",
+        t.add_row(f"{result.named(p.a)}  ·  {result.named(p.b)}", f"{p.score:.1f}", "yes" if p.flagged else "",
                   ", ".join(f"{m.question} ({_pct(m.code)} / {_pct(m.trace)})"
                             for m in p.matches))
     Console().print(t)

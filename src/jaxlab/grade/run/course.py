@@ -173,10 +173,16 @@ def template_regions(out, template=None):
 
 def similar(out, records, template=None):
     """The similarity check over ``records`` (``output.similarity``), with the released
-    notebook's starter code removed when it is known; None when no record kept answers."""
+    notebook's starter code removed when it is known and the students of each file named when
+    the roster is; None when no record kept answers."""
     from ..output import similarity
 
     if not any(r.answers or r.programs for r in records):
         return None
     regions = template_regions(out, template)
-    return similarity.compare(records, regions)
+    result = similarity.compare(records, regions)
+    roster = roster_of(out)
+    if roster is not None:
+        result.who = {f: ", ".join(s.name or s.email or s.sid for s in sub.students)
+                      for f, sub in roster.files.items()}
+    return result
