@@ -2,35 +2,39 @@
 
     .venv/bin/python benchmarks/similarity_class.py [--lab lab4-shard-map] [--students 40]
                                                     [--copies 12] [--big 1000] [--seed 0]
-                                                    [--train-steps 10]
+                                                    [--train-steps 0] [--full-probe]
 
 A class of ``--students`` independent students, each answering every question with a corpus
 answer (tests/answers/<lab>/, correct and wrong alike, drawn at random: honest students share
 answers often, as a class does where the task leaves few ways), plus ``--copies`` planted copies
 of some of them made the ways copiers work: variables renamed, independent lines reordered,
 comments and blank lines changed, a helper variable inlined, one answer replaced by another; a
-copy applies one of these, or all of them. Each distinct answer code is traced for real: the
-lab's solution notebook runs once in this process, then each answer runs in a copy of its
-globals and the lab's own probe (``jaxlab_<lab>.probe``, what the grading kernel runs) records
-its program, which ``engine.traces`` turns into steps; the answers a record keeps come from the
-built notebook through ``engine.cells.answer_regions``, as the worker does. Prints the planted
-pairs flagged (recall), independent pairs flagged (false positives), and the time of the check
-on ``--big`` synthetic submissions from the same generator (copies there reuse their original's
-traced steps).
+copy applies one of these, or all of them. Each distinct answer code, copies' included, is
+traced for real: the lab's solution notebook runs once in this process, then each answer runs
+in a copy of its globals and the lab's own probe (``jaxlab_<lab>.probe``, what the grading
+kernel runs) records its program, which ``engine.traces`` turns into steps; the answers a
+record keeps come from the built notebook through ``engine.cells.answer_regions``, as the worker
+does. Prints the planted pairs flagged (recall), independent pairs flagged (false positives),
+and the time of the check on ``--big`` synthetic submissions from the same generator (copies
+there reuse their original's traced steps).
 
-``--train-steps``: the steps the notebook's ``train`` helper runs when an answer calls it (the
-notebook's own 1,000 with 0). Lab 4's q10 answers train for 1,000 steps before the probe traces
-``update`` on fresh inputs: the traced program does not depend on how long the answer trained
-(only ``params_trained`` does, which grades and is not compared), so the benchmark trains for
-a few steps and checks that claim once: one corpus answer is traced after both trainings and
-the two bags of steps must be equal.
+Shortcuts keep the build to minutes (``--full-probe`` drops them): the probe's compiled calls
+(``_run``: the values a verdict reads) are skipped, its search for an input seed clear of ReLU
+kinks runs once and its seed is reused, and the notebook's ``train`` helper runs
+``--train-steps`` steps (its own 1,000 otherwise) when an answer calls it. None touches what is
+compared: the probe traces the student's function with ``jax.make_jaxpr`` on inputs of fixed
+shapes and layouts, whatever their values and whatever was computed before. (In full, a
+q10 answer took ~100 s on the loaded 2-core machine: hours for the class.) The claim is checked
+in the run: the first answer of each question is traced both ways and must give the same steps.
 """
 
 import argparse
 import ast
+import contextlib
 import copy
 import functools
 import inspect
+import io
 import os
 import pathlib
 import random
@@ -156,7 +160,7 @@ COPIERS = {"rename": rename, "reorder": reorder, "comments": comments, "inline":
 
 # --------------------------------------------------------------------------- the lab in process
 class Lab:
-    def __init__(self, lab, train_steps=0):
+    def __init__(self, lab, *, shortcuts=True, train_steps=0):
         import importlib.util
 
         self.name = lab
@@ -181,41 +185,53 @@ class Lab:
                     or "grader" in src or src.lstrip().startswith(("%", "!")):
                 continue
             try:
-                exec(compile(src, "<solution>", "exec"), self.globals)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    exec(compile(src, "<solution>", "exec"), self.globals)
             except Exception as exc:  # e.g. Part D's processes: leave that question out
                 print(f"  (solution cell skipped: {type(exc).__name__}: {str(exc)[:80]})")
         self.traced, self.failed = {}, {}
-        self.full_train = self.globals.get("train")
-        if train_steps and callable(self.full_train) and \
-                "steps" in inspect.signature(self.full_train).parameters:
-            self.globals["train"] = functools.partial(self.full_train, steps=train_steps)
+        self.shortcuts = shortcuts
+        self.train_steps = train_steps
+        self.replaced = _value_helpers(self.checks)
 
-    def same_trace_with_full_training(self):
-        """None when no question trains; else whether one training answer traces the same
-        after the notebook's full training as after the short one."""
-        full = self.full_train
-        if full is None or self.globals["train"] is full:
-            return None
-        for q, answers in self.corpus.items():
-            code = next((a for a in answers if "train(" in a), None)
-            if code is not None:
-                short = self.trace(q, code)
-                return bool(short) and short == self.trace(q, code, {"train": full})
-        return None
-
-    def trace(self, question, code, overrides=None):
-        key = (question, code, tuple(sorted(overrides or ())))
+    def trace(self, question, code, full=False):
+        """The steps of the program the lab's probe traces for ``code`` (cached per distinct
+        answer). Unless ``full`` or shortcuts are off, the notebook's ``train`` runs
+        ``train_steps`` steps and the probe's compiled calls (``_run``: the values that grade)
+        are skipped; ``check_shortcuts`` shows neither changes the traced program."""
+        key = (question, code, full or not self.shortcuts)
         if key not in self.traced:
-            g = {**self.globals, **(overrides or {})}
+            g = dict(self.globals)
+            short = not key[2]
+            train = g.get("train")
+            if short and callable(train) and "steps" in inspect.signature(train).parameters:
+                g["train"] = functools.partial(train, steps=self.train_steps)
+            kept = {name: getattr(self.checks, name) for name in self.replaced} if short else {}
             try:
-                exec(compile(code, "<answer>", "exec"), g)
-                names = self.checks.QUESTIONS[question].names
-                ev = self.checks.probe(question, {n: g.get(n) for n in names})
+                for name in kept:
+                    setattr(self.checks, name, self.replaced[name])
+                with contextlib.redirect_stdout(io.StringIO()):
+                    exec(compile(code, "<answer>", "exec"), g)
+                    names = self.checks.QUESTIONS[question].names
+                    ev = self.checks.probe(question, {n: g.get(n) for n in names})
                 self.traced[key] = tokens(ev)
             except Exception as exc:  # a wrong answer may raise: its record has no program
                 self.traced[key] = {}
                 self.failed[key] = f"{type(exc).__name__}: {str(exc)[:60]}"
+            finally:
+                for name, helper in kept.items():
+                    setattr(self.checks, name, helper)
         return self.traced[key]
+
+    def check_shortcuts(self):
+        """For the first answer of each question: (questions whose program traced with the
+        shortcuts equals the one traced in full, questions compared)."""
+        if not self.shortcuts:
+            return None
+        same = [q for q, answers in self.corpus.items()
+                if (short := self.trace(q, answers[0])) and short == self.trace(q, answers[0],
+                                                                              full=True)]
+        return same, len(self.corpus)
 
     def record(self, file, answers, traced=True, programs=None):
         nb = copy.deepcopy(self.template)
@@ -228,6 +244,25 @@ class Lab:
             {q: self.trace(q, code) for q, code in answers.items()} if traced else {}
         return Record(file=file, sha256="", answers=answer_regions(nb),
                       programs={q: p for q, p in progs.items() if p})
+
+
+def _value_helpers(checks):
+    """Replacements for the probe's helpers that compute values a verdict reads, never the
+    traced program: its compiled calls (``_run``: skipped) and its search for a fresh input seed
+    clear of ReLU kinks (``_kink_free_seed``: done once, its seed reused)."""
+    out = {}
+    if hasattr(checks, "_run"):
+        out["_run"] = lambda *a, **k: {}
+    if hasattr(checks, "_kink_free_seed"):
+        search, found = checks._kink_free_seed, []
+
+        def once(*args, **kwargs):
+            if not found:
+                found.append(search(*args, **kwargs))
+            return found[0]
+
+        out["_kink_free_seed"] = once
+    return out
 
 
 def _question_after(nb, cell):
@@ -265,6 +300,21 @@ def build(lab, students, copies, rng, traced=True, copy_programs=False):
     return records, planted, kinds
 
 
+def report(result, records, planted):
+    """Print recall and false positives; the flagged pairs."""
+    flagged = {frozenset((p.a, p.b)) for p in result.flagged}
+    shown = {frozenset((p.a, p.b)) for p in result.pairs[:similarity.SHOWN]}
+    top = {frozenset((p.a, p.b)) for p in result.pairs[:len(planted)]}
+    n = len(records)
+    independent = n * (n - 1) // 2 - len(planted)
+    print(f"  recall: {len(flagged & set(planted))}/{len(planted)} planted pairs flagged, "
+          f"{len(top & set(planted))}/{len(planted)} among the top {len(planted)} pairs, "
+          f"{len(shown & set(planted))} among the {similarity.SHOWN} the page lists first")
+    print(f"  false positives: {len(flagged - set(planted))} of {independent} independent pairs "
+          "flagged")
+    return flagged
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lab", default="lab4-shard-map")
@@ -272,43 +322,43 @@ def main():
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--big", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--train-steps", type=int, default=10,
-                    help="steps of the notebook's train helper in answers (0: its own)")
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="steps the notebook's train helper runs when an answer calls it")
+    ap.add_argument("--full-probe", action="store_true",
+                    help="no shortcuts: answers train in full and the probe compiles and runs "
+                         "what it checks (hours on a loaded 2-core machine)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     t0 = time.monotonic()
-    lab = Lab(args.lab, args.train_steps)
+    lab = Lab(args.lab, shortcuts=not args.full_probe, train_steps=args.train_steps)
     print(f"{args.lab}: {len(lab.corpus)} questions, {sum(map(len, lab.corpus.values()))} corpus "
           f"answers; solution run in {time.monotonic() - t0:.0f} s")
     regions = answer_regions(lab.template)
+    t1 = time.monotonic()
     records, planted, kinds = build(lab, args.students, args.copies, rng)
-    print(f"traced {len(lab.traced)} distinct answers in {time.monotonic() - t0:.0f} s")
+    print(f"traced {len(lab.traced)} distinct answers in {time.monotonic() - t1:.0f} s")
     empty = [k for k, v in lab.traced.items() if not v]
     print(f"  {len(empty)} of them traced nothing ({len(lab.failed)} raised, e.g. "
           f"{next(iter(lab.failed.values()), '-')})")
-    same = lab.same_trace_with_full_training()
-    if same is not None:
-        print(f"a training answer traces {'the same' if same else 'DIFFERENTLY'} after "
-              f"{args.train_steps} and after the notebook's full training")
     result = similarity.compare(records, regions)
-    flagged = {frozenset((p.a, p.b)) for p in result.flagged}
-    top = {frozenset((p.a, p.b)) for p in result.pairs[:len(planted)]}
-    n = len(records)
-    independent = n * (n - 1) // 2 - len(planted)
-    print(f"class of {n} ({args.students} students + {len(planted)} planted copies), "
+    print(f"class of {len(records)} ({args.students} students + {len(planted)} planted copies), "
           f"threshold {result.threshold:.1f}, check took {result.seconds:.1f} s")
-    print(f"recall: {len(flagged & set(planted))}/{len(planted)} planted pairs flagged, "
-          f"{len(top & set(planted))}/{len(planted)} among the top {len(planted)} pairs")
+    flagged = report(result, records, planted)
     for kind in dict.fromkeys(kinds):
         got = [p in flagged for p, k in zip(planted, kinds) if k == kind]
         print(f"  {kind:12s} {sum(got)}/{len(got)} flagged")
-    print(f"false positives: {len(flagged - set(planted))} of {independent} independent pairs "
-          "flagged")
     big_copies = args.big // 10
-    big, _, _ = build(lab, args.big - big_copies, big_copies, rng, copy_programs=True)
+    t1 = time.monotonic()
+    big, big_planted, _ = build(lab, args.big - big_copies, big_copies, rng, copy_programs=True)
+    print(f"{args.big} synthetic submissions ({big_copies} planted copies; built in "
+          f"{time.monotonic() - t1:.0f} s)")
     result = similarity.compare(big, regions)
-    print(f"{args.big} synthetic submissions: the check took {result.seconds:.1f} s "
-          f"({len(result.flagged)} pairs flagged)")
+    print(f"  the check took {result.seconds:.1f} s, threshold {result.threshold:.1f}")
+    report(result, big, big_planted)
+    checked = lab.check_shortcuts()
+    if checked is not None:
+        print(f"shortcuts checked: the first answer of {len(checked[0])} of {checked[1]} "
+              "questions traces the same program with them as in full")
 
 
 if __name__ == "__main__":
