@@ -15,13 +15,16 @@ Per question, each submission's answer is compared two ways, from what its recor
 The page shows each question's similarity as those two overlaps. Many pairs of a class agree
 on a question because the task leaves few ways to answer it, so overlap alone says little: what
 two answers share is weighed by how few of the class hold it (each fingerprint and step counts
-``ln(n / holders)``: what everyone wrote counts nothing), that shared information is turned
-into how rare it is among the class's pairs on that question (the share of pairs sharing at
-least as much: an empirical p-value), and a pair's score adds up ``-ln`` of those over the
-questions (Fisher's statistic). A pair is flagged when its score is
-higher than the highest score of any pair in classes made by shuffling each question's answers
-among the students independently (same answers, same per-question agreement, no student's
-answers tied together): ``FAMILY_ERROR`` of such classes would flag a pair.
+``ln(n / holders)``: what everyone wrote counts nothing), that shared information is turned,
+for each view, into how rare it is among the class's pairs on that question (the share of pairs
+sharing at least as much: an empirical p-value), a question takes the rarer of its two views
+(renaming leaves the code's fingerprints alone, reordering and inlining the program's steps;
+adding the two views' shared information instead let a copy that changed its code but not its
+program rank below honest pairs with the same popular answer), and a pair's score adds up
+``-ln p`` over the questions (Fisher's statistic). A pair is flagged when its score is higher
+than the highest score of any pair in classes made by shuffling each question's answers among
+the students independently (same answers, same per-question agreement, no student's answers
+tied together): ``FAMILY_ERROR`` of such classes would flag a pair.
 """
 
 import dataclasses
@@ -116,14 +119,15 @@ def compare(records, template=None, *, seed=0):
     for q in questions:
         boiler = np.array(sorted(_fingerprint("\n".join(template[q]), None).hashes),
                           dtype=np.int64) if template.get(q) else None
-        prints = []
+        prints, seen = [], {}  # seen: code -> its fingerprint (a class repeats short answers)
         for r in records:
             code = strip_template(r.answers.get(q, []), template_lines)
-            fp = _fingerprint(code, boiler) if code else None
-            if fp is not None and len(fp.filtered_code) < MIN_CODE_CHARS:
-                fp = None
-            prints.append(fp)
-            code_of[(r.file, q)] = (code, fp)
+            if code not in seen:
+                fp = _fingerprint(code, boiler) if code else None
+                seen[code] = None if fp is None or len(fp.filtered_code) < MIN_CODE_CHARS \
+                    else fp
+            prints.append(seen[code])
+            code_of[(r.file, q)] = (code, seen[code])
         code_sim, code_info = _overlaps([set(fp.hashes) if fp is not None else None
                                          for fp in prints])
         trace_sim, trace_info = _overlaps(_bag_sets([r.programs.get(q) or None
@@ -133,7 +137,8 @@ def compare(records, template=None, *, seed=0):
             sim = np.nan_to_num(np.nanmean(np.stack([code_sim, trace_sim]), axis=0), nan=0.0)
         compared[q] = sum(fp is not None or bool(r.programs.get(q))
                           for fp, r in zip(prints, records))
-        evidence[q], sims[q] = _rarity(code_info + trace_info), (sim, code_sim, trace_sim)
+        evidence[q] = np.maximum(_rarity(code_info), _rarity(trace_info))
+        sims[q] = (sim, code_sim, trace_sim)
     score = sum(evidence.values()) if questions else np.zeros((n, n))
     threshold = _null_threshold(evidence, n, seed)
     iu = np.triu_indices(n, 1)
