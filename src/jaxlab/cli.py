@@ -75,10 +75,45 @@ SHARED = [
                       "so in every row), 'require' to refuse grading without it, 'off' never."),
 ]
 
-def shared_options(f):
-    for option in reversed(SHARED):
-        f = option(f)
-    return f
+def _all(options):
+    """A decorator applying ``options`` in their listed order."""
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
+shared_options = _all(SHARED)
+
+
+# what a course adds around grading (`jaxlab grade` and `jaxlab report`; kept in OUTPUT_DIR)
+COURSE = [
+    click.option("--deadline", default=None, metavar="TIME",
+                 help="The deadline with its time zone, e.g. '2025-03-07 23:59 America/New_York' "
+                      "or 2025-03-07T23:59-05:00 (needs Gradescope's export for submission "
+                      "times; kept for later reports)."),
+    click.option("--late-penalty", default=None, metavar="RATE",
+                 help="Percent of the points off per started day or hour late: 10%/day, 2%/hour."),
+    click.option("--grace", default=None, metavar="DURATION",
+                 help="Lateness forgiven, e.g. 15m (past it, lateness counts from the deadline)."),
+    click.option("--late-cap", default=None, metavar="PERCENT",
+                 help="The most a late penalty takes, e.g. 50%."),
+    click.option("--cutoff", default=None, metavar="DURATION|TIME",
+                 help="Zero after this long past a student's deadline (e.g. 5d), or after this "
+                      "time (with its zone)."),
+    click.option("--extensions", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="CSV of extensions: a column email, sid or name, and a column 'extension' "
+                      "(2d, 36h) or 'deadline' (a time with its zone)."),
+    click.option("--canvas-roster", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="Canvas's gradebook export, to give canvas_grades.csv the students' Canvas "
+                      "IDs and the assignment's column."),
+    click.option("--template", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="The student notebook as released, whose starter code the similarity check "
+                      "leaves out (default: the shipped one for the autograder)."),
+]
+
+course_options = _all(COURSE)
 
 
 def given_options(ctx, names):
@@ -116,25 +151,46 @@ def _grade_errors(call):
 @click.option("--shard", default=None, metavar="K/N",
               help="Grade only shard K of N (from 0) into OUTPUT_DIR, which the other shards "
                    "share; `jaxlab report OUTPUT_DIR` then writes the CSV and the class report.")
+@click.option("--only", multiple=True, metavar="NAME",
+              help="Grade again only this submission (file name, export folder, or a student's "
+                   "name, email or SID; repeatable), keep every other grade, rewrite the class's "
+                   "files.")
 @shared_options
-def grade(paths, output_dir, workers, shard, **options):
-    """Grade submissions (.ipynb, grader.export() zips, or folders of them) without Docker."""
+@course_options
+def grade(paths, output_dir, workers, shard, only, **options):
+    """Grade submissions (.ipynb, grader.export() zips, folders of them, or Gradescope's
+    Export Submissions archive or folder) without Docker."""
     ok = _grade_errors(lambda: grade_api(paths=list(paths), output_dir=output_dir,
-                                         workers=workers, shard=shard, **options))
+                                         workers=workers, shard=shard, only=list(only) or None,
+                                         **options))
     sys.exit(0 if ok else 1)
 
 
 @main.command()
 @click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
-def report(output_dir):
-    """Write final_grades.csv, summaries, plots and report.html from every shard's records.
+@course_options
+def report(output_dir, **options):
+    """Write final_grades.csv, summaries, plots and report.html from every shard's records
+    (with Gradescope's export: the gradebook files, the late policy applied).
 
     Exits non-zero while some shard's submissions have no record yet (what is graded is
     written all the same, and the missing shards are named)."""
     from .grade.run.report import report as report_api
 
-    ok = _grade_errors(lambda: report_api(output_dir=output_dir))
+    ok = _grade_errors(lambda: report_api(output_dir=output_dir, **options))
     sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The student notebook as released (default: the one kept in OUTPUT_DIR).")
+def similar(output_dir, template):
+    """Pairs of submissions in OUTPUT_DIR more alike than the task forces (writes
+    similar_pairs.csv; `jaxlab report` also puts them on report.html)."""
+    from .grade.run.report import similar as similar_api
+
+    _grade_errors(lambda: similar_api(output_dir=output_dir, template=template))
 
 
 @main.command()

@@ -3,8 +3,10 @@ where a kernel's evidence lies. Defaults live here and nowhere else.
 """
 
 import dataclasses
+import datetime
 import enum
 import json
+import os
 import pathlib
 
 MiB = 2**20
@@ -131,6 +133,13 @@ class Record:
     phases: dict = dataclasses.field(default_factory=dict)  # phase -> seconds, over its runs
     # the student's cells as their kernels timed them, over its runs (the benchmark compares)
     cell_seconds: float = 0
+    # for the class's similarity check (``output.similarity``), kept so that ``jaxlab report``
+    # compares without the submissions: question -> the code cells of its part of the notebook
+    # (between the previous ``grader.check`` cell and its own), and question -> the traced
+    # programs its probe recorded, as a bag of normalised dataflow steps ({step: count}).
+    # Records written before these fields load with them empty.
+    answers: dict = dataclasses.field(default_factory=dict)
+    programs: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self):
         d = dataclasses.asdict(self)
@@ -176,3 +185,70 @@ class EvidenceLayout:
         expected = {p.with_suffix(x).name for q in questions
                     for p in (self.probe(q), self.claim(q)) for x in (".json", ".npz")}
         return sorted(p.name for p in self.folder.glob("*") if p.name not in expected)
+
+
+@dataclasses.dataclass(frozen=True)
+class Student:
+    """One submitter of a submission, as Gradescope's export names them."""
+
+    name: str
+    sid: str = ""
+    email: str = ""
+
+    def key(self):
+        """What tells two students apart: the email, else the SID, else the name."""
+        return (self.email or self.sid or self.name).strip().lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    """Who handed in one submission and when (a group submission has several students)."""
+
+    students: tuple  # of Student
+    time: str = ""  # ISO 8601 with its UTC offset; "" when the export gives none
+    entry: str = ""  # the entry of submission_metadata.yml, e.g. "submission_123456"
+
+
+def write_atomically(path, data):
+    """Write ``data`` (text or bytes) to ``path`` through a file of this process's own, so that
+    shards writing the same file at once never see each other's half (the last one wins)."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    if isinstance(data, bytes):
+        tmp.write_bytes(data)
+    else:
+        tmp.write_text(data, encoding="utf-8")
+    tmp.replace(path)
+
+
+def instant(iso):
+    """A submission time (``Submitted.time``) as a comparable instant; the earliest when ""."""
+    return datetime.datetime.fromisoformat(iso) if iso else \
+        datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+
+
+@dataclasses.dataclass
+class Roster:
+    """Who submitted what: ``file`` (the submission's key in the records) -> Submitted.
+    Written once by the batch into the output folder, read by every later report."""
+
+    source: str  # where it was read from, for messages
+    files: dict = dataclasses.field(default_factory=dict)
+
+    def to_dict(self):
+        return {"source": self.source, "files": {
+            f: {"students": [dataclasses.asdict(s) for s in sub.students], "time": sub.time,
+                "entry": sub.entry} for f, sub in self.files.items()}}
+
+    @classmethod
+    def from_dict(cls, raw):
+        return cls(raw["source"], {
+            f: Submitted(tuple(Student(**s) for s in sub["students"]), sub.get("time", ""),
+                         sub.get("entry", "")) for f, sub in raw["files"].items()})
+
+    def write(self, path):
+        write_atomically(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def read(cls, path):
+        return cls.from_dict(json.loads(pathlib.Path(path).read_text()))

@@ -142,3 +142,56 @@ def claim_cells(tests, private, layout):
             for q, test in tests.items()]
 
 
+
+
+# --------------------------------------------------------------------------- answers
+MAX_ANSWER_CHARS = 20_000  # per question: a pasted dataset must not bloat every record
+
+
+def answer_regions(nb):
+    """question -> the code cells of its part of the notebook: those after the previous
+    ``grader.check`` cell up to its own (the student's answer and the starter code around it,
+    which the similarity check removes with the released notebook). Cells the course locked
+    (``editable: false``, the setup cell) and otter's own cells are left out."""
+    graders = _grader_names(nb)
+    regions, pending = {}, []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        checked = _checked_questions(cell.source, graders)
+        if checked:
+            for q in checked:
+                regions.setdefault(q, []).extend(pending)
+            pending = []
+            continue
+        meta = cell.get("metadata", {})
+        if meta.get("editable") is False or any(skip(cell, graders) for skip in SKIPPED):
+            continue
+        if cell.source.strip():
+            pending.append(cell.source)
+    out = {}
+    for q, cells in regions.items():
+        kept, size = [], 0
+        for source in cells:
+            if size + len(source) > MAX_ANSWER_CHARS:
+                break
+            kept.append(source)
+            size += len(source)
+        out[q] = kept
+    return out
+
+
+def _checked_questions(source, graders):
+    """The questions a cell checks with ``grader.check("q")``."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "check" and isinstance(node.func.value, ast.Name) \
+                and node.func.value.id in graders and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            found.append(node.args[0].value)
+    return found

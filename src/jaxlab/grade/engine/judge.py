@@ -15,6 +15,7 @@ import re
 from otter.test_files import TestCaseResult
 
 from ...checks.form import load_evidence
+from . import traces
 
 MAX_EVIDENCE_BYTES = 512 * 2**20
 
@@ -28,6 +29,7 @@ class Verdict:
     # the verdict rests on timings measured in the kernel (the checks module's MEASURED): the
     # kernel's own check measures again at another moment, so disagreeing is not tampering
     measured: bool = False
+    program: dict = dataclasses.field(default_factory=dict)  # traces.tokens of its evidence
 
 
 @dataclasses.dataclass
@@ -104,15 +106,19 @@ def _verdict(checks, q, path, no_answers_reason):
         evidence = envelope.get("evidence")
     except Exception as exc:
         return Verdict(False, f"Not graded: unreadable evidence ({type(exc).__name__}).", "error")
+    try:
+        program = traces.tokens(evidence)
+    except Exception:  # a record for the similarity check only: never a grading error
+        program = {}
     if error is not None:
         return Verdict(False, f"Checking this question raised {error}",
                        "timeout" if re.match(r"KeyboardInterrupt", str(error)) else "error",
-                       suspicious)
+                       suspicious, program=program)
     try:
         checks.verdict(q, evidence)
     except AssertionError as exc:
-        return Verdict(False, str(exc) or "wrong answer", "fail", suspicious)
+        return Verdict(False, str(exc) or "wrong answer", "fail", suspicious, program=program)
     except Exception as exc:
         return Verdict(False, f"Your answer could not be checked ({type(exc).__name__}: {exc}).",
-                       "fail", suspicious)
-    return Verdict(True, None, "pass", suspicious)
+                       "fail", suspicious, program=program)
+    return Verdict(True, None, "pass", suspicious, program=program)

@@ -24,7 +24,7 @@ from otter.nbmeta_config import NBMetadataConfig
 
 from . import process
 from .autograder import FORM_MODULE, read_autograder
-from .cells import claim_cells, probe_cells, student_cells
+from .cells import answer_regions, claim_cells, probe_cells, student_cells
 from .judge import score, verdicts
 from .cgroup import Parent
 from .kernel import Caps, Kernel, kernel_env
@@ -45,6 +45,7 @@ class Run:
     judgement: object  # judge.Judgement
     strangers: list  # files in the evidence folder that the grader did not write
     phases: dict  # phase -> seconds it took
+    programs: dict  # question -> the traced programs of its evidence (traces.tokens)
 
 
 class _Clock:
@@ -115,6 +116,7 @@ class Worker:
                                     "grade again with --force")
             nb, files = read_submission(job["submission"])
             self._check_assignment(nb)
+            record.answers = answer_regions(nb)
             self._grade(student_cells(nb), files, record)
         except BadSubmission as exc:
             record.catastrophic, record.status = True, str(exc)
@@ -148,6 +150,7 @@ class Worker:
             record.cell_seconds += run.ex.cell_seconds
         ex = run.ex
         record.stop = ex.stop
+        record.programs = run.programs
         record.questions = {tf.name: _test_file_record(tf) for tf in run.judgement.test_files}
         timed_out = ex.stop is not None and ex.stop.kind is StopKind.TIMEOUT
         record.outcomes = {q: "timeout" if timed_out and o != "pass" else o
@@ -232,7 +235,8 @@ class Worker:
             kernel.close()
             self._reap()
             clock.lap("close")
-        return Run(ex, judgement, strangers, clock.phases)
+        programs = {q: v.program for q, v in decided.items() if v.program}
+        return Run(ex, judgement, strangers, clock.phases, programs)
 
     def _judge(self, result, layout):
         """The trusted verdicts, from the evidence the probes left in ``layout``."""

@@ -179,9 +179,12 @@ def _bar(counts, n):
     return f'<div class="bar">{"".join(parts)}</div>'
 
 
-def render(records, autograder, waiting=()):
+def render(records, autograder, waiting=(), similar=None):
     """The page's HTML for ``records`` (in file order) graded with ``autograder``; ``waiting``
-    says in words what is not graded yet."""
+    says in words what is not graded yet; ``similar``: the similarity check's result
+    (``similarity.compare``), a section of its own after the questions."""
+    from . import similarity
+
     e = html.escape
     questions = in_notebook_order(autograder.points)
     long = per_question(records, autograder)
@@ -197,7 +200,8 @@ def render(records, autograder, waiting=()):
 
     out = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-           f"<title>{e(name)}: class report</title><style>{CSS}</style></head><body><main>",
+           f"<title>{e(name)}: class report</title><style>{CSS}{similarity.CSS if similar else ''}"
+           "</style></head><body><main>",
            f"<h1>{e(name)}: what the class got wrong</h1>",
            f'<p class="sub">{n} submission{"s" if n != 1 else ""} · {len(questions)} questions · '
            f"{possible:g} points · median score {median:.0f}%</p>"]
@@ -279,6 +283,9 @@ def render(records, autograder, waiting=()):
                        f"</summary>{''.join(items[REASONS_SHOWN:])}</details>")
         out.append("</section>")
 
+    if similar is not None:
+        out.append(similarity.section(similar, lambda f: _link(SUMMARIES, f, ".txt")))
+
     # every submission
     head = "".join(f'<th class="num" title="{e(q)}">{e(q.split("_")[0])}</th>' for q in questions)
     rows = []
@@ -304,9 +311,9 @@ def render(records, autograder, waiting=()):
     return "".join(out)
 
 
-def write(out, records, autograder, waiting=()):
+def write(out, records, autograder, waiting=(), similar=None):
     path = pathlib.Path(out) / PAGE
     tmp = path.with_name(PAGE + ".tmp")
-    tmp.write_text(render(records, autograder, waiting), encoding="utf-8")
+    tmp.write_text(render(records, autograder, waiting, similar), encoding="utf-8")
     tmp.replace(path)
     return path

@@ -44,14 +44,20 @@ def write_submission(out, record, autograder):
         json.dumps(results.to_gradescope_dict(autograder.config), indent=2))
 
 
-def write_csv(out, records, autograder):
-    """final_grades.csv as ``otter grade`` writes it, with our grading_status per row."""
+def write_csv(out, records, autograder, roster=None, policy=None):
+    """final_grades.csv as ``otter grade`` writes it, with our grading_status per row; with a
+    ``roster`` one row per student and their columns, with a late ``policy`` its columns
+    (``gradebook.per_student``)."""
     if not records:
         return None
     df = merge_scores_to_df([results_of(r, autograder) for r in records])
     status = {r.file: r.status for r in records}
     rows = df[SCORES_DICT_FILE_KEY].isin(status)
     df.loc[rows, SCORES_DICT_GRADING_STATUS_KEY] = df.loc[rows, SCORES_DICT_FILE_KEY].map(status)
+    if roster is not None or policy is not None:
+        from .gradebook import per_student
+
+        df = per_student(df, roster, policy)
     tmp = out / f"{CSV}.tmp"
     df.to_csv(tmp, index=False)
     tmp.replace(out / CSV)

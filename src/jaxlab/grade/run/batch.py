@@ -20,13 +20,13 @@ from ..engine import cgroup, process, warmup
 from ..engine.autograder import open_autograder, shipped_autograder
 from ..engine.kernel import cache_env
 from ..engine.sandbox import Mode, SandboxUnavailable, decide, disk_cap_reason, unmount_under
+from ..engine import gradescope
 from ..engine.submissions import collect
 from ..engine.warmup import shipped_solution
 from ..model import Limits, Record, Settings
-from ..output.classreport import write_class_report
 from ..output.results import results_of, write_csv, write_submission
 from ..output.tally import print_table, question_table
-from . import shard as shards
+from . import course, shard as shards
 
 GRACE_S = 120  # a worker gets this long beyond --timeout to judge and write its record
 
@@ -36,7 +36,9 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
           processes=Limits.processes, cpus=Limits.cpus, disk_mb=Limits.disk_mb, assignment=None,
           autograder=None, force=False, output_cap_mb=Limits.output_cap_mb, prestart=True,
           compile_cache=True, warm_up=None, xla_threads=None, pin_cpus=None,
-          sandbox=Mode.AUTO.value, resource_caps=True, shard=None, show=True):
+          sandbox=Mode.AUTO.value, resource_caps=True, shard=None, show=True, only=None,
+          deadline=None, late_penalty=None, grace=None, late_cap=None, cutoff=None,
+          extensions=None, canvas_roster=None, template=None):
     """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran.
 
     ``shard``: ``"K/N"`` grades only the submissions of shard K of N (``shard.shard_of``) and
@@ -52,17 +54,34 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     time in cores and what it may write (cgroups and a tmpfs; where this machine cannot apply
     them, e.g. without root, every row says so). ``resource_caps=False`` applies none of the
     three (the benchmark compares).
+    A Gradescope export among ``paths`` (``engine.gradescope``) gives each row its students and
+    submission time; ``deadline``, ``late_penalty``, ``grace``, ``late_cap``, ``cutoff`` and
+    ``extensions`` make the late policy (``run.course.policy_of``), ``canvas_roster`` a Canvas
+    gradebook export to take students' Canvas IDs from. ``only``: names of submissions, export
+    folders or students (name, email or SID) to grade again, leaving every other record as it
+    is. ``template``: the student notebook as released, whose code the similarity check leaves
+    out (default: the shipped one beside the autograder zip).
     """
     started = time.time()
     part = shards.Shard.parse(shard) if shard is not None else shards.WHOLE
     whole = part == shards.WHOLE
     out = pathlib.Path(output_dir)
-    everything = collect(paths, exclude=[out])
+    export = gradescope.find(paths, shards.state_dir(out) / "export")
+    roster = export.roster if export else None
+    # checked before anything is graded: a bad deadline or extension costs nothing
+    policy = course.policy_of(out, roster, deadline=deadline, late_penalty=late_penalty,
+                              grace=grace, late_cap=late_cap, cutoff=cutoff,
+                              extensions=extensions)
+    canvas = course.canvas_roster_of(out, canvas_roster)
+    if export:
+        gradescope.say(export.warnings)
+    everything = export.submissions if export else collect(paths, exclude=[out])
     if not everything:
         print("jaxlab grade: no .ipynb or .zip submissions found", file=sys.stderr)
         return False
     # every shard sees the whole folder: the same `file` keys, the same autograder guess
     subs = [s for s in everything if part.holds(s.file)]
+    again = {s.file for s in course.select(subs, roster, only)} if only else set()
     if not whole:
         print(f"jaxlab grade: shard {part} holds {len(subs)} of the {len(everything)} "
               "submissions", file=sys.stderr)
@@ -87,6 +106,10 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     zip_path = autograder or shipped_autograder(assignment, [s.path for s in everything])
     state = shards.state_dir(out)
     (state / shards.RECORDS).mkdir(parents=True, exist_ok=True)
+    if roster is not None:
+        course.keep_roster(out, roster)
+    course.keep_policy(out, policy)
+    course.keep_template(out, template or course.shipped_template(zip_path))
     # named by this process: its cgroup and its kernels' mounts say whose they are
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"{cgroup.BATCH_PREFIX}{os.getpid()}-"))
     process.set_subreaper()
@@ -99,7 +122,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         digests = {s.file: s.digest() for s in subs}
         # the report step reads the autograder from here, on whichever machine it runs
         manifest = shards.started(out, part, digests, shards.keep_autograder(out, zip_path))
-        records = {} if force else shards.records_of(out, digests)
+        records = {} if force and not only else shards.records_of(out, digests)
+        records = {f: r for f, r in records.items() if f not in again}
         pending = [s for s in subs if s.file not in records]
         if not whole and show:
             print(f"jaxlab grade: shard {part}: {len(records)} graded before, grading "
@@ -161,7 +185,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
                 # (2,000 rows take seconds; `jaxlab report` rebuilds it from the records)
                 if whole and time.monotonic() - csv_at >= 10 * csv_took:
                     csv_at = time.monotonic()
-                    write_csv(out, _ordered(records, subs), ag)
+                    write_csv(out, _ordered(records, subs), ag, roster, policy)
                     csv_took = time.monotonic() - csv_at
                 bar.update()
         for t in slots:
@@ -169,7 +193,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         manifest.finished = time.time()
         shards.write_manifest(out, manifest)
         if whole:
-            write_class_report(out, _ordered(records, subs), ag)
+            course.write_class_files(out, _ordered(records, subs), ag, policy=policy,
+                                     canvas_roster=canvas, show=show)
             if show:
                 print_table(question_table(_ordered(records, subs), ag))
         elif show:

@@ -7,18 +7,27 @@ import sys
 import tempfile
 
 from ..engine.autograder import open_autograder
-from ..output.classreport import write_class_report
 from ..output.results import CSV, GRADESCOPE, SUMMARIES, stem, write_submission
 from ..output.tally import print_table, question_table
-from . import shard as shards
+from . import course, shard as shards
 
 
-def report(*, output_dir="grades", show=True):
+def report(*, output_dir="grades", show=True, deadline=None, late_penalty=None, grace=None,
+           late_cap=None, cutoff=None, extensions=None, canvas_roster=None, template=None):
     """Write final_grades.csv, the summaries, the Gradescope JSON, score_distribution.png and
     report.html in ``output_dir`` from the records its shards wrote, as one batch grading every
     submission there would have. True when every submission of the current split has a record;
-    otherwise what is graded is written, and the shards still to run are printed."""
+    otherwise what is graded is written, and the shards still to run are printed.
+    With Gradescope's export graded there, also the gradebook files, with the late policy kept
+    there or given (``deadline`` ... ``extensions``: ``run.course.policy_of``); the page's
+    similarity section compares with ``template`` (default: the released notebook kept there)."""
     out = pathlib.Path(output_dir)
+    roster = course.roster_of(out)
+    policy = course.policy_of(out, roster, deadline=deadline, late_penalty=late_penalty,
+                              grace=grace, late_cap=late_cap, cutoff=cutoff,
+                              extensions=extensions)
+    canvas = course.canvas_roster_of(out, canvas_roster)
+    course.keep_policy(out, policy)
     split = shards.current_split(out)
     files = split.files()
     records = shards.records_of(out, files)
@@ -39,7 +48,8 @@ def report(*, output_dir="grades", show=True):
         for r in ordered:  # a shard wrote these as it graded; only a missing or older one again
             if _older_than_record(out, r):
                 write_submission(out, r, ag)
-        write_class_report(out, ordered, ag, waiting=waiting)
+        course.write_class_files(out, ordered, ag, waiting=waiting, policy=policy,
+                                 canvas_roster=canvas, template=template, show=show)
         if show:
             print_table(question_table(ordered, ag))
     finally:
@@ -78,3 +88,23 @@ def _ranges(indexes):
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
+
+
+def similar(*, output_dir="grades", template=None, show=True):
+    """The similarity check alone over the records of ``output_dir``: prints the most similar
+    pairs and writes ``similar_pairs.csv``; the ``output.similarity.Result``."""
+    from ..output import similarity
+
+    out = pathlib.Path(output_dir)
+    split = shards.current_split(out)
+    files = split.files()
+    records = shards.records_of(out, files)
+    ordered = [records[f] for f in files if f in records]
+    result = course.similar(out, ordered, template)
+    if result is None:
+        raise ValueError(f"the records in {out} keep no answers to compare (graded by an older "
+                         "jaxlab: grade again with --force)")
+    similarity.write_csv(out, result)
+    if show:
+        similarity.print_pairs(result)
+    return result

@@ -1,0 +1,188 @@
+"""What a course adds around grading, kept in the output folder so that every later
+``jaxlab grade`` and ``jaxlab report`` of it applies the same: who submitted each file
+(Gradescope's export), the late policy, a Canvas roster, and the class's similarity check.
+
+``.jaxlab/roster.json`` (``model.Roster``), ``.jaxlab/late-policy.json`` (``output.late.Policy``,
+written when a deadline is given, replaced by the next one given; ``--extensions`` alone
+updates its extensions) and ``.jaxlab/canvas-roster.csv`` (a copy of the last one given).
+"""
+
+import dataclasses
+import pathlib
+import sys
+
+from ..model import Roster, write_atomically
+from ..output import late
+from ..output.classreport import write_class_report
+from ..output.gradebook import read_canvas_roster
+from . import shard as shards
+
+ROSTER = "roster.json"
+POLICY = "late-policy.json"
+CANVAS = "canvas-roster.csv"
+
+
+def roster_of(out):
+    path = shards.state_dir(out) / ROSTER
+    return Roster.read(path) if path.is_file() else None
+
+
+def keep_roster(out, roster):
+    path = shards.state_dir(out) / ROSTER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    roster.write(path)
+
+
+def policy_of(out, roster, *, deadline=None, late_penalty=None, grace=None, late_cap=None,
+              cutoff=None, extensions=None):
+    """The late policy for ``out``: made from the options given (a deadline replaces the kept
+    policy; extensions alone update it), else the one kept; None without either. Checked in
+    full (time zones, the extensions' students) before anything is graded or written."""
+    path = shards.state_dir(out) / POLICY
+    kept = late.Policy.read(path) if path.is_file() else None
+    tuning = any(v is not None for v in (late_penalty, grace, late_cap, cutoff))
+    if deadline is None and kept is None:
+        if tuning or extensions is not None:
+            raise late.BadPolicy("--late-penalty, --grace, --late-cap, --cutoff and --extensions "
+                                 "need a --deadline (with its time zone)")
+        return None
+    if (deadline is not None or tuning or extensions is not None) and roster is None:
+        raise late.BadPolicy("a late policy needs each submission's time: grade Gradescope's "
+                             "export (with its submission_metadata.yml)")
+    policy = kept
+    if deadline is not None or tuning:
+        rate, unit = late.parse_penalty(late_penalty) if late_penalty else (0.0, "day")
+        base = kept if deadline is None and kept is not None else None
+        policy = late.Policy(
+            deadline=late.parse_time(deadline) if deadline is not None else base.deadline,
+            rate=rate if late_penalty or base is None else base.rate,
+            unit=unit if late_penalty or base is None else base.unit,
+            grace=late.parse_duration(grace, "--grace") if grace else
+            (base.grace if base else late.Policy.grace),
+            cap=late.parse_percent(late_cap, "--late-cap") if late_cap else
+            (base.cap if base else None),
+            cutoff=_cutoff(cutoff) if cutoff else (base.cutoff if base else None),
+            extensions=kept.extensions if kept else {},
+            extensions_file=kept.extensions_file if kept else None)
+    if extensions is not None:
+        known = {s.key(): s for sub in roster.files.values() for s in sub.students}
+        policy = dataclasses.replace(policy, extensions=late.read_extensions(extensions, known),
+                                     extensions_file=str(extensions))
+    return policy
+
+
+def _cutoff(text):
+    """--cutoff: a duration after each student's deadline, or a time with its zone."""
+    try:
+        return late.parse_duration(text, "--cutoff")
+    except late.BadPolicy:
+        return late.parse_time(text, "--cutoff")
+
+
+def keep_policy(out, policy):
+    if policy is not None:
+        policy.write(shards.state_dir(out) / POLICY)
+
+
+def canvas_roster_of(out, given=None):
+    """The Canvas gradebook export to match students with: ``given`` (kept for next time),
+    else the one kept; None without either."""
+    kept = shards.state_dir(out) / CANVAS
+    if given is not None:
+        rows = read_canvas_roster(given)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(kept, pathlib.Path(given).read_bytes())
+        return rows
+    return read_canvas_roster(kept) if kept.is_file() else None
+
+
+def write_class_files(out, records, autograder, *, waiting=(), policy=None, canvas_roster=None,
+                      template=None, show=True):
+    """The class's files (``output.classreport``) with what the course keeps in ``out``, the
+    similarity check's section on the page."""
+    out = pathlib.Path(out)
+    roster = roster_of(out)
+    found = similar(out, records, template)
+    unmatched = write_class_report(out, records, autograder, waiting=waiting, roster=roster,
+                                   policy=policy, canvas_roster=canvas_roster, similar=found)
+    if found is not None and found.flagged and show:
+        print(f"jaxlab: {len(found.flagged)} pair(s) of submissions are more alike than the "
+              f"task forces; see 'Similar submissions' in {out / 'report.html'}",
+              file=sys.stderr)
+    if unmatched and show:
+        print(f"jaxlab: {len(unmatched)} student(s) match no row of the Canvas roster and have "
+              f"no ID in canvas_grades.csv: {', '.join(unmatched[:10])}", file=sys.stderr)
+
+
+def select(subs, roster, only):
+    """The submissions among ``subs`` that ``only`` names, each by its file key, its folder in
+    the export, or a submitter's name, email or SID (any case)."""
+    wanted = {w.strip().lower() for w in only if w.strip()}
+    chosen, matched = [], set()
+    for s in subs:
+        sub = roster.files.get(s.file) if roster else None
+        names = {s.file.lower(), s.file.split("/")[0].lower()}
+        for st in (sub.students if sub else ()):
+            names |= {st.name.lower(), st.email.lower(), st.sid.lower()} - {""}
+        hit = wanted & names
+        if hit:
+            chosen.append(s)
+            matched |= hit
+    missing = sorted(wanted - matched)
+    if missing:
+        raise ValueError(f"--only {', '.join(missing)}: no submission has that file name, "
+                         "export folder, or student name, email or SID")
+    return chosen
+
+
+TEMPLATE = "template.ipynb"
+
+
+def shipped_template(zip_path):
+    """``student/<lab>/<lab>.ipynb`` beside ``autograder/<lab>-autograder.zip``, if there."""
+    zip_path = pathlib.Path(zip_path).resolve()
+    name = zip_path.name.removesuffix("-autograder.zip")
+    path = zip_path.parent.parent / "student" / name / f"{name}.ipynb"
+    return path if path.is_file() else None
+
+
+def keep_template(out, template):
+    """Keep the released student notebook in ``out`` for later reports (when one is known)."""
+    if template is not None:
+        dest = shards.state_dir(out) / TEMPLATE
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if pathlib.Path(template).resolve() != dest.resolve():
+            write_atomically(dest, pathlib.Path(template).read_bytes())
+
+
+def template_regions(out, template=None):
+    """question -> the released notebook's cells of it (``template``, else the one kept in
+    ``out``); None without either."""
+    import nbformat
+
+    from ..engine.cells import answer_regions
+
+    path = pathlib.Path(template) if template else shards.state_dir(out) / TEMPLATE
+    if not path.is_file():
+        return None
+    try:
+        return answer_regions(nbformat.read(path, as_version=4))
+    except Exception as exc:
+        raise ValueError(f"the template notebook {path} cannot be read ({exc})") from None
+
+
+def similar(out, records, template=None):
+    """The similarity check over ``records`` (``output.similarity``), with the released
+    notebook's starter code removed when it is known and the students of each file named when
+    the roster is; None when no record kept answers."""
+    from ..output import similarity
+
+    if not any(r.answers or r.programs for r in records):
+        return None
+    regions = template_regions(out, template)
+    result = similarity.compare(records, regions)
+    roster = roster_of(out)
+    if roster is not None:
+        result.who = {f: ", ".join(s.name or s.email or s.sid for s in sub.students)
+                      for f, sub in roster.files.items()}
+    return result
