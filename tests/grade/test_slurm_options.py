@@ -21,9 +21,10 @@ from jaxlab.cli import main
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ZIP = ROOT / "autograder" / "lab3-parallelism-autograder.zip"
 GRADE, SLURM = main.commands["grade"], main.commands["slurm"]
-# options both verbs take; slurm resolves the autograder itself and passes --autograder
+# options both verbs take; slurm resolves the autograder itself and passes --autograder, and
+# its --only (which tasks to submit) is its own, not grade's --only (which submissions)
 SHARED = sorted({p.name for p in GRADE.params} & {p.name for p in SLURM.params}
-                - {"paths", "output_dir", "autograder", "assignment"})
+                - {"paths", "output_dir", "autograder", "assignment", "only"})
 OPTION = {p.name: p for p in SLURM.params}
 
 
