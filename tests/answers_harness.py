@@ -23,7 +23,7 @@ answer at cell k then replays what a notebook with that answer would do:
   solution run left, whose verdicts were taken once after that run);
 * finally every name the replay touched gets its value from the end of the solution run.
 
-``test_answers_faithfulness`` grades a sample of answers through the full ``otter run`` path
+``test_grading_paths`` grades a sample of answers through the full ``otter run`` path
 and checks the verdicts agree.
 """
 

@@ -38,6 +38,8 @@ def pytest_collection_modifyitems(config, items):
         lab = item.callspec.params.get("lab") if hasattr(item, "callspec") else None
         if group.endswith("test_answers.py") and (answer is not None or lab is not None):
             group = f"answers-{answer.lab if answer is not None else lab}"
+        elif group.endswith("test_grading_paths.py"):  # reads the corpus's verdicts
+            group = f"answers-{item.callspec.params['graded_paths']}"
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -1,7 +1,7 @@
 """The answer corpus (tests/answers/) reaches its expected verdicts under the shipped tests.
 
 Every answer is graded by ``answers_harness`` with the autograder zip's own test files in a
-kernel holding the solution run of the student notebook; ``test_answers_faithfulness`` checks
+kernel holding the solution run of the student notebook; ``test_grading_paths`` checks
 a sample against the full ``otter run`` path.
 """
 
@@ -10,6 +10,8 @@ import re
 import pytest
 
 import answers_harness as harness
+
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
 
 ANSWERS = [a for lab in harness.labs() for a in harness.load_answers(lab)]
 WRONG = [a for a in ANSWERS if not a.correct]

@@ -25,6 +25,8 @@ from nbclient import NotebookClient
 
 from labs import LABS, release_paths
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 OLDER_JAX = "0.8.2"
 REQUIREMENTS = (f"jax=={OLDER_JAX}", f"jaxlib=={OLDER_JAX}", "otter-grader==7.0.0", "ipykernel",
                 "numpy", "matplotlib", "tqdm", "rich")

@@ -15,6 +15,7 @@ from jaxlab import release
 
 
 @pytest.mark.parametrize("lab", LABS)
+@pytest.mark.slow
 def test_committed_releases_are_current_and_rebuild_byte_for_byte(lab, release_build):
     """The committed student notebook and zip were built at another time, often on another
     machine: this build giving the same bytes is the release's reproducibility."""
@@ -156,6 +157,7 @@ def test_hidden_tests_read_only_their_own_questions_names(lab):
                 assert args <= set(checks.QUESTIONS[question].names), (question, fn.name, args)
 
 
+@pytest.mark.slow
 def test_release_check_exits_non_zero_when_a_committed_release_is_stale(tmp_path):
     import shutil
     import subprocess
@@ -213,6 +215,7 @@ BASE = "https://colab.research.google.com/github/course/labs/blob/main/student"
 
 
 @pytest.mark.parametrize("lab", LABS)
+@pytest.mark.slow
 def test_colab_url_adds_a_badge(lab, release_build):
     """(Byte reproducibility with a badge: test_release_check_keeps_a_committed_badge_current.)"""
     from jaxlab.release.standalone import BADGE_IMAGE
@@ -227,6 +230,7 @@ def test_colab_url_adds_a_badge(lab, release_build):
     assert [c.source for c in badged.cells[1:]] == [c.source for c in plain.cells]
 
 
+@pytest.mark.slow
 def test_release_check_keeps_a_committed_badge_current(tmp_path, release_build):
     """A course that publishes with a badge: `release --check` (and `make test`) builds with the
     committed notebook's badge, so it passes (a second build with the badge, byte for byte);
@@ -324,6 +328,7 @@ def test_texts_agree_within_the_named_tolerance_only():
     assert not release.texts_agree("shape (8, 4)", "shape (8, 5)")
 
 
+@pytest.mark.slow
 def test_a_broken_committed_release_gets_a_message_not_a_traceback(tmp_path, release_build):
     """A merge conflict left in a committed student notebook: `release` and `release --check`
     say which file and what to do (exit 1); a broken solution notebook is simply stale."""

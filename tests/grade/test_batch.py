@@ -15,6 +15,8 @@ from jaxlab.grade import grade
 
 from nbedit import answer_cell, write
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 MARKER = "jaxlab-grade-test-escapee"
 WRONG = {
     "y": 'y = jax.device_put(jnp.zeros(8), NamedSharding(mesh, P("x")))',

@@ -24,6 +24,8 @@ from jaxlab.release import engine_entries, write_stable_zip
 from nbedit import write
 from test_batch import FULL, NONE, POINTS, submissions, with_cell
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 # what a notebook run as the container's root could do to the grader (its parent process):
 # rewrite its entry point, forge its results, read the hidden tests, kill it
 HOSTILE = """\

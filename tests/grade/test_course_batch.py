@@ -15,6 +15,8 @@ from jaxlab.grade.run.report import report, similar
 
 from nbedit import answer_cell, write
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 EXPORT = pathlib.Path(__file__).parent / "fixtures" / "gradescope_export"
 SETTINGS = dict(workers=2, timeout=90, cell_timeout=30, memory_mb=1200, output_cap_mb=1)
 POLICY = dict(deadline="2025-03-07 23:59 America/Los_Angeles", late_penalty="10%/day",

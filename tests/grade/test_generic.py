@@ -10,6 +10,8 @@ from jaxlab.grade import grade
 from nbedit import write
 from test_batch import PATCH_RUNNER, wrong
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 
 @pytest.fixture(scope="module")
 def generic_batch(lab, tmp_path_factory):

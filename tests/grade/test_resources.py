@@ -28,6 +28,8 @@ from jaxlab.grade.engine.sandbox import KernelFolder, disk_cap_reason
 from attacks import CELL
 from nbedit import answer_cell, write
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 DISK_MB = 64  # small, so that the filler hits it in well under a second
 SETTINGS = dict(workers=2, timeout=120, cell_timeout=60, memory_mb=1500, disk_mb=DISK_MB)
 FULL = {"q1": 2.0, "q2": 1.0, "q3": 1.0}

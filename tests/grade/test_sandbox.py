@@ -20,6 +20,8 @@ from jaxlab.grade.engine.sandbox import unavailable_reason
 from attacks import ATTACKS, attack_notebook
 from nbedit import write
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 SETTINGS = dict(workers=2, timeout=120, cell_timeout=30, memory_mb=1500)
 FULL = {"q1": 2.0, "q2": 1.0, "q3": 1.0}
 BLOCKED = {"q1": 2.0, "q2": 1.0, "q3": 0.0}

@@ -22,6 +22,8 @@ from jaxlab.grade.run.slurm import TooBig, queue, slurm
 from nbedit import answer_cell, write
 from slurmcluster import Cluster
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 SETTINGS = dict(timeout=120, cell_timeout=60, memory_mb=1500)
 SLOW_S = 8  # one submission sleeps this long, so a task can be cancelled in the middle
 

@@ -29,6 +29,7 @@ def kernel(request, tmp_path):
     k.close()
 
 
+@pytest.mark.slow
 def test_session_runs_phases_in_order_and_keeps_state_between_them(kernel, tmp_path):
     with Session(kernel, LIMITS) as s:
         assert s.run(["x = 41", "1 / 0", "import time\nwhile True:\n    time.sleep(0.01)",
@@ -55,6 +56,7 @@ def test_session_runs_phases_in_order_and_keeps_state_between_them(kernel, tmp_p
     ("import subprocess, sys, time\ntime.sleep(1.5)\nsubprocess.run([sys.executable, '-c', "
      "'hog = []\\nwhile True: hog.append(bytearray(50 * 2**20))'])", StopKind.MEMORY),
 ])
+@pytest.mark.slow
 def test_session_says_which_cell_stopped_the_kernel_and_why(kernel, source, kind):
     # the hog must reach the cap before the cell limit: first-touch page faults ran at ~60 MiB/s
     # on a loaded 2-core machine here, so the cell gets a minute and the cap is low
@@ -67,6 +69,7 @@ def test_session_says_which_cell_stopped_the_kernel_and_why(kernel, source, kind
     assert len(s.nb.cells) == 2
 
 
+@pytest.mark.slow
 def test_session_over_the_submission_timeout_is_a_timeout_stop(kernel):
     limits = dataclasses.replace(LIMITS, timeout=4, cell_timeout=30)
     with Session(kernel, limits) as s:

@@ -15,6 +15,8 @@ from jaxlab.grade.engine.sandbox import unavailable_reason
 
 from nbedit import write
 
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
 SETTINGS = dict(workers=1, timeout=120, cell_timeout=60, memory_mb=1500, sandbox="require")
 FULL = {"q1": 2.0, "q2": 1.0, "q3": 1.0}
 JIT_CELL = """\

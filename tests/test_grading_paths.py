@@ -1,0 +1,193 @@
+"""Each lab graded the two ways an instructor grades it without Docker, on one set of
+submissions per lab: `otter run` with the shipped zip (one notebook at a time, in-process, as
+instructors try a notebook) and `jaxlab grade` (one batch, sandboxed). Each path grades each
+submission once; every test below reads those results.
+
+The set, per lab:
+
+* a notebook downloaded from Colab (Colab's metadata, renamed "… (1).ipynb" as a second
+  download is) whose answer to one question passes its public check and fails its hidden one:
+  full marks but that question (and those that use its result). Renamed, otter's init cell fails
+  and otter runs every test at the end on the final globals; a grader that used the public tests
+  the setup cell carries would give the point;
+* the blank student notebook: zero on every question, and a readable message for each;
+* Lab 3 also: two samples of corpus answers (several questions each, none affecting another;
+  one under the master's name, one renamed) must score what the answer harness gave each answer
+  (the harness is what grades the corpus in test_answers.py); and, under `jaxlab grade` only (it
+  would take the machine's memory in-process), a memory hog in q3's answer costs only q3.
+"""
+
+import dataclasses
+import importlib
+import json
+import pathlib
+import shutil
+
+import nbformat
+import pandas as pd
+import pytest
+import yaml
+
+import answers_harness as harness
+import colab
+from labs import LABS, ROOT, release_paths
+from jaxlab import release
+from jaxlab.grade.engine.autograder import open_autograder
+
+pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
+
+# An answer that passes its public check and fails its hidden one (from the answer corpus), the
+# questions it costs, and its code.
+WELL_FORMED_WRONG = {
+    "lab3-parallelism": ("q1_device_put", {"q1_device_put", "q2_inspect"},
+                         'A_sharded = jax.device_put(A, NamedSharding(mesh, P("x")))\n'),
+    "lab4-shard-map": ("q2_global_sum", {"q2_global_sum"},
+                       'global_sum = jax.shard_map(lambda b: lax.pmean(jnp.sum(b), "i"), '
+                       'mesh=mesh, in_specs=P("i"), out_specs=P())\n'),
+    # a training script whose process 1 writes the output file too
+    "lab5-scaling": ("q9_multi_process", {"q9_multi_process"},
+                     next(a["code"] for a in yaml.safe_load(
+                         (ROOT / "tests/answers/lab5-scaling/q9_multi_process.yaml").read_text()
+                     )["wrong"] if a["name"] == "every_process_saves")),
+}
+SAMPLES_LAB = "lab3-parallelism"
+SAMPLES = {  # file -> (question, correct or wrong, corpus answer)
+    f"{SAMPLES_LAB}.ipynb": [
+        ("q1_device_put", "correct", "bare-spec-under-set-mesh"),
+        ("q3_partition_specs", "wrong", "counts-distinct-blocks"),
+        ("q5_dp_auto", "correct", "numpy-grid-mesh-and-none-specs"),
+        ("q6_dp_explicit", "wrong", "not-jitted"),
+        ("q7_dp_manual", "correct", "partial-decorator-four-devices"),
+        ("q9_timing", "wrong", "no-blocking"),
+    ],
+    "Lab3 submission (renamed).ipynb": [
+        ("q2_inspect", "correct", "set-comprehension-over-shards"),
+        ("q4_propagation", "wrong", "specs-swapped"),
+        ("q7_dp_manual", "wrong", "no-shard-map"),
+        ("q8_sharded_training", "correct", "two-d-mesh-both-axes"),
+    ],
+}
+HOG = "\nhog = []\nwhile True:\n    hog.append(bytearray(b'x' * 50 * 2**20))\n"
+HOG_FILE, HOG_QUESTION = "hog.ipynb", "q3_partition_specs"
+BLANK = "blank.ipynb"
+
+
+def _questions(lab):
+    return list(importlib.import_module(f"jaxlab.checks.{lab.split('-')[0]}").QUESTIONS)
+
+
+def _colab_download_with_one_wrong_answer(lab):
+    question, _, code = WELL_FORMED_WRONG[lab]
+    nb = colab.colabify(colab.read(release_paths(lab)["solution"]))
+    check = next(i for i, c in enumerate(nb.cells)
+                 if c.source.strip() == f'grader.check("{question}")')
+    nb.cells[check - 1].source = colab.ANSWER_MARK + "\n" + code
+    return nb
+
+
+def _with_hog(lab):
+    nb = nbformat.read(release_paths(lab)["solution"], as_version=4)
+    answer = next(i for i, c in enumerate(nb.cells)
+                  if c.source.strip() == f'grader.check("{HOG_QUESTION}")') - 1
+    nb.cells[answer].source += HOG
+    return nb, answer
+
+
+@dataclasses.dataclass
+class Graded:
+    lab: str
+    expected: dict  # file -> {question: points expected}
+    otter: dict  # file -> otter run's results tests (not the hog)
+    df: pd.DataFrame  # jaxlab grade's final_grades.csv, by file
+    out: pathlib.Path
+    hog_cell: int | None = None
+
+
+@pytest.fixture(scope="module", params=LABS)
+def graded_paths(request, tmp_path_factory, graded):
+    lab = request.param
+    if lab not in WELL_FORMED_WRONG:
+        pytest.fail(f"give {lab} an answer in WELL_FORMED_WRONG that passes its public check "
+                    "and fails its hidden one")
+    tmp = tmp_path_factory.mktemp(f"paths-{lab}")
+    subs = tmp / "submissions"
+    subs.mkdir()
+    zip_path = release_paths(lab)["autograder"]
+    points = dict(open_autograder(zip_path, tmp / "autograder").points)
+    expected = {}
+    _, lose, _ = WELL_FORMED_WRONG[lab]
+    download = f"{lab} (1).ipynb"
+    nbformat.write(_colab_download_with_one_wrong_answer(lab), subs / download)
+    expected[download] = {q: 0.0 if q in lose else p for q, p in points.items()}
+    shutil.copy(release_paths(lab)["student"], subs / BLANK)
+    expected[BLANK] = {q: 0.0 for q in points}
+    hog_cell = None
+    if lab == SAMPLES_LAB:
+        by_id = {a.id: a for a in harness.load_answers(lab)}
+        rel = harness.Release(lab)
+        for filename, entries in SAMPLES.items():
+            answers = [by_id[f"{lab}/{q}/{kind}/{name}"] for q, kind, name in entries]
+            assert not any(a.other_questions_lose for a in answers), "samples must not interact"
+            verdicts = {a.question: graded(a).own for a in answers}
+            for a in answers:  # each sample exercises both verdicts
+                assert (verdicts[a.question]["score"] == verdicts[a.question]["possible"]) == \
+                    a.correct, a.id
+            nbformat.write(rel.notebook_with(answers), subs / filename)
+            expected[filename] = {q: verdicts[q]["score"] if q in verdicts else p
+                                  for q, p in points.items()}
+        nb, hog_cell = _with_hog(lab)
+        nbformat.write(nb, tmp / HOG_FILE)  # beside the others: jaxlab grade only
+    otter = {path.name: release.otter_run(path, zip_path, tmp) for path in sorted(subs.iterdir())}
+    if hog_cell is not None:
+        shutil.copy(tmp / HOG_FILE, subs / HOG_FILE)
+        expected[HOG_FILE] = {q: 0.0 if q == HOG_QUESTION else p for q, p in points.items()}
+    from jaxlab.grade import grade
+
+    out = tmp / "grades"
+    assert grade(paths=[str(subs)], output_dir=str(out), autograder=str(zip_path), show=False,
+                 workers=2, memory_mb=2500, sandbox="require")
+    df = pd.read_csv(out / "final_grades.csv").set_index("file")
+    return Graded(lab, expected, otter, df, out, hog_cell)
+
+
+def test_otter_run_grades_every_question_of_each_submission_as_expected(graded_paths):
+    g = graded_paths
+    for file, tests in g.otter.items():
+        scores = release.question_scores(tests)
+        assert sorted(scores) == sorted(_questions(g.lab)), file
+        assert {q: s for q, (s, _) in scores.items()} == g.expected[file], file
+
+
+def test_jaxlab_grade_scores_each_submission_as_otter_run_and_as_expected(graded_paths):
+    g = graded_paths
+    assert sorted(g.df.index.drop("points-per-question")) == sorted(g.expected)
+    for file, expected in g.expected.items():
+        row = g.df.loc[file]
+        status = row["grading_status"]
+        assert status.startswith("Completed") and "TAMPERING" not in status, (file, status)
+        got = {q: float(row[q]) for q in expected}
+        assert got == expected, (file, status)
+        if file in g.otter:
+            theirs = {q: s for q, (s, _) in release.question_scores(g.otter[file]).items()}
+            assert got == theirs, file
+
+
+def test_blank_notebook_gets_a_readable_message_per_question(graded_paths):
+    for test in graded_paths.otter[BLANK]:
+        if "max_score" not in test:
+            continue
+        output = test["output"]
+        assert "AssertionError: `" in output, output
+        assert "not defined yet" in output or "is empty" in output, output
+        assert "Traceback" not in output
+
+
+@pytest.mark.parametrize("graded_paths", [SAMPLES_LAB], indirect=True)
+def test_a_memory_hog_in_one_answer_costs_only_its_question(graded_paths):
+    g = graded_paths
+    status = g.df.loc[HOG_FILE, "grading_status"]
+    assert f"cell {g.hog_cell} skipped in a second run" in status and "memory use" in status
+    records = [json.loads(p.read_text()) for p in (g.out / ".jaxlab" / "records").glob("*.json")]
+    (record,) = [r for r in records if r["file"] == HOG_FILE]
+    assert record["skipped"]["cell"] == g.hog_cell
+    assert record["skipped"]["reason"]["kind"] == "memory"
