@@ -92,3 +92,17 @@ def test_numbers_devices_and_functions_have_their_own_kinds():
     assert form.evidence(jax.devices()[0])["kind"] == "device"
     assert form.evidence(jax.jit(lambda v: v))["type"] == "PjitFunction"
     assert form.evidence(True)["kind"] == "bool"
+
+
+def test_probe_order_puts_marked_questions_first_and_keeps_the_rest_in_order():
+    from types import SimpleNamespace
+
+    from jaxlab.checks import lab3, lab5
+
+    order = form.probe_order(lab5.QUESTIONS)
+    assert order[0] == "q9_multi_process"
+    assert order[1:] == [q for q in lab5.QUESTIONS if q != "q9_multi_process"]
+    assert form.probe_order(lab3.QUESTIONS) == list(lab3.QUESTIONS)
+    # a checks module from before the mark: its questions have no such attribute
+    old = {"q1": SimpleNamespace(), "q2": SimpleNamespace()}
+    assert form.probe_order(old) == ["q1", "q2"]

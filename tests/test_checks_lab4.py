@@ -65,7 +65,7 @@ def test_q2_accepts_psum_of_block_sums():
 def test_q2_rejects_one_partial_sum_per_device():
     global_sum = smap(P("i"), P("i"))(lambda x: jnp.sum(x, keepdims=True))
     msg = verdict_message("q2_global_sum", global_sum=global_sum)
-    assert msg.startswith("`global_sum(x)` returned 8 numbers, one per device")
+    assert msg.startswith("`global_sum(x) for x of length 96` returned 8 numbers, one per device")
 
 
 def test_q2_rejects_all_gather():

@@ -177,7 +177,7 @@ def bubble_evidence(bubble, needed):
             "microbatches_needed": {"kind": "callable", "name": "microbatches_needed",
                                     "type": "function"},
             "fresh": {"bubble": [[L, M, form.evidence(bubble(L, M))] for L, M in
-                                 ((8, 1), (8, 8), (4, 100), (1, 3))],
+                                 ((8, 8), (8, 1), (4, 100), (1, 3))],
                       "needed": [[L, b, form.evidence(needed(L, b))] for L, b in
                                  ((8, 0.12), (4, 0.9), (16, 0.33))]}}  # no ties, as in the probe
 
@@ -206,6 +206,47 @@ def test_q6_verdict_on_hand_built_evidence():
                                                   lambda L, b: float(right_needed(L, b))))
 
 
+def test_needed_cases_say_rightly_which_bounds_are_ties():
+    for case in lab5.NEEDED_CASES:
+        tie = case.stages > 1 and any(right_bubble(case.stages, M) == case.max_bubble
+                                      for M in range(1, 10_000))
+        assert case.tie == tie, case
+    assert lab5.NeededCase(8, 0.1).tie and lab5.NeededCase(8, 0.28).tie
+    assert not lab5.NeededCase(8, 0.12).tie and not lab5.NeededCase(1, 0.5).tie
+
+
+def test_needed_is_the_first_count_strictly_below_the_bound_ties_and_draws_alike():
+    rng = np.random.default_rng(0)
+    bounds = [(L, right_bubble(L, M)) for L in range(2, 40) for M in range(1, 60, 7)]
+    bounds += [(c.stages, c.max_bubble) for c in lab5._needed_draws(rng)]
+    bounds += [(1, 0.3), (1, 0.99), (64, 0.01)]
+    for L, b in bounds:
+        assert lab5._needed(L, b) == right_needed(L, b), (L, b)
+    assert lab5._needed(8, 0.1) == 64 and lab5._needed(8, 0.28) == 19
+
+
+def test_q6_names_ties_one_stage_and_the_type_of_a_jax_array():
+    def at_most(L, b):
+        M = 1
+        while right_bubble(L, M) > b:
+            M += 1
+        return M
+
+    ev = lab5.probe("q6_bubble", {"bubble_fraction": right_bubble, "microbatches_needed": at_most})
+    with pytest.raises(AssertionError, match=r"`microbatches_needed\(8, 0.1\)` is 63; expected "
+                                             r"64.*bubble_fraction\(8, 63\) is exactly 0.1"):
+        lab5.verdict("q6_bubble", ev)
+    ev = lab5.probe("q6_bubble", {"bubble_fraction": right_bubble,
+                                  "microbatches_needed": lambda L, b: right_needed(L, b) - (L == 1)})
+    with pytest.raises(AssertionError, match=r"`microbatches_needed\(1, 0.5\)` is 0; expected 1"):
+        lab5.verdict("q6_bubble", ev)
+    ev = lab5.probe("q6_bubble", {"bubble_fraction": lambda L, M: jnp.float32(L - 1) / (M + L - 1),
+                                  "microbatches_needed": right_needed})
+    with pytest.raises(AssertionError, match=r"returned a jax.Array of shape \(\) and dtype "
+                                             r"float32 .*not a plain Python number"):
+        lab5.verdict("q6_bubble", ev)
+
+
 # --------------------------------------------------------------------------- part C
 def route(tokens, router_weights, capacity, first_slot=0):
     probs = jax.nn.softmax(tokens @ router_weights, axis=-1)
@@ -220,6 +261,32 @@ def test_q7_accepts_cumsum_routing_and_names_slots_from_one():
     assert verdict_message("q7_router", route=route) is None
     msg = verdict_message("q7_router", route=partial(route, first_slot=1))
     assert "they start at 1" in msg
+
+
+def test_route_draws_show_what_each_case_is_for():
+    rng = np.random.default_rng(1)
+    for case in lab5.ROUTE_CASES:
+        tokens, router = lab5._route_draw(rng, case)
+        assert tokens.shape == (case.T, case.D) and router.shape == (case.D, case.E)
+        expert, gate, slot = lab5._route(tokens, router, case.capacity)
+        if case.capacity < case.T:
+            assert np.any(gate == 0) and np.any(slot >= case.capacity)
+        if case.T >= 2:
+            assert np.sum(expert == case.E - 1) >= 2
+    assert max(c.E for c in lab5.ROUTE_CASES) > lab5.N_EXPERTS
+
+
+def test_q7_names_a_route_written_for_eight_experts():
+    def eight(tokens, router_weights, capacity):
+        probs = jax.nn.softmax(tokens @ router_weights, axis=-1)
+        expert = jnp.argmax(probs, axis=-1)
+        chosen = jax.nn.one_hot(expert, 8, dtype=jnp.int32)
+        slot = jnp.sum((jnp.cumsum(chosen, axis=0) - 1) * chosen, axis=-1)
+        gate = jnp.take_along_axis(probs, expert[:, None], axis=-1)[:, 0]
+        return expert, jnp.where(slot < capacity, gate, 0.0), slot
+
+    msg = verdict_message("q7_router", route=eight)
+    assert "11 experts" in msg and "count over all E = 11 experts" in msg
 
 
 def moe(experts_spec=P("expert")):

@@ -181,6 +181,35 @@ def test_the_error_of_a_chained_traceback_and_its_line_in_the_script():
     assert lab5._pd_error_of(log, folder) == ("`ValueError: Unable to compute global shape`", 17)
     assert lab5._pd_error_of("F0000 check failed: gloo\n", folder) == \
         ("`F0000 check failed: gloo`", None)
+    jax_note = textwrap.dedent(f"""\
+        Traceback (most recent call last):
+          File "{folder}/pd_train.py", line 24, in <module>
+            params = jax.device_put(params, replicated)
+        jax.errors.JaxRuntimeError: INVALID_ARGUMENT: Multiprocess computations aren't implemented
+        --------------------
+        For simplicity, JAX has removed its internal frames from the traceback of the following
+        """)
+    assert lab5._pd_error_of(jax_note, folder) == (
+        "`jax.errors.JaxRuntimeError: INVALID_ARGUMENT: Multiprocess computations aren't "
+        "implemented`", 24)
+
+
+def test_rows_a_process_passed_are_said_in_words():
+    assert lab5._pd_rows_words(list(range(160, 320)), 160) == "rows 160 to 319"
+    assert lab5._pd_rows_words(list(range(1, 320, 2)), 160) == \
+        "every second row from row 1 (1, 3, ...)"
+    assert lab5._pd_rows_words(list(range(159, -1, -1)), 160) == \
+        "rows 159 down to 0 (in reverse order)"
+    assert lab5._pd_rows_words([3, 0, 1, 2], 4) == "rows 3, 0, 1, 2, ... (not rows in order)"
+
+
+def test_fresh_data_holds_every_value_once_so_rows_read_back_from_values():
+    for seed in range(20):
+        x, y, _ = lab5._pd_fresh_data(np.random.default_rng(seed))
+        assert len(np.unique(x)) == len(x) == lab5.PD_FRESH_ROWS
+        assert len(np.unique(y)) == len(y)
+        call = {"values": x[10:20, 0].tolist()}
+        assert lab5._pd_rows_of(call, x) == list(range(10, 20))
 
 
 def test_gloo_between_two_processes_works_inside_the_grading_sandbox_on_one_core(tmp_path):

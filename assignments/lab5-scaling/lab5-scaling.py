@@ -755,11 +755,18 @@ if answered(pipeline_loss, stage_params):
 # **Task 6** (`q6_bubble`). Define
 #
 # * `bubble_fraction(n_stages, n_micro)`: the idle fraction of the GPipe schedule of `n_micro`
-#   microbatches through `n_stages` stages, as a float (idle slots over all slots);
-# * `microbatches_needed(n_stages, max_bubble)`: the smallest number of microbatches (an `int`,
-#   at least 1) whose idle fraction is strictly less than `max_bubble` (`0 < max_bubble < 1`).
+#   microbatches through `n_stages` stages, as a float (idle slots over all slots), for any
+#   `n_stages` and `n_micro` of 1 or more;
+# * `microbatches_needed(n_stages, max_bubble)`: the smallest number of microbatches `M` (an
+#   `int`, at least 1, also for one stage) whose idle fraction is **strictly** less than
+#   `max_bubble` (`0 < max_bubble < 1`). When `max_bubble` is exactly the idle fraction of some
+#   `M`, that `M` is not enough: with 8 stages, 63 microbatches give `7 / 70`, which is `0.1`,
+#   so `microbatches_needed(8, 0.1)` is 64. Compare the fraction as `bubble_fraction` computes
+#   it with `max_bubble`: a formula solved for `M` and rounded lands on either side of such a
+#   tie.
 #
-# Both take plain Python numbers and return plain Python numbers.
+# Both take plain Python numbers and return plain Python numbers (an `int` or a `float`, not a
+# NumPy or JAX array).
 
 # %% [raw]
 # # BEGIN SOLUTION
@@ -1118,13 +1125,18 @@ if answered(moe_layer, route):
 # `127.0.0.1` as the coordinator address, waits for both and returns what each printed. If a
 # process fails, or both are not done within `timeout` seconds, it stops them and raises an
 # error showing the end of each process's output. The processes run on CPU devices only, even
-# where this notebook has a GPU.
+# where this notebook has a GPU. Before starting them it frees the programs this notebook has
+# compiled so far (`jax.clear_caches()`: they are compiled again when used): a few hundred MB
+# that the two processes need more on a small machine.
 #
 # If every process fails with `enforce fail at …/gloo/transport/tcp/device.cc`, gloo found no
 # network address for this machine's host name (`socket.gethostname()`), as on some laptops:
 # add the line `127.0.0.1 NAME` (NAME: that host name) to `/etc/hosts`, or work on Colab.
 
 # %%
+import ctypes
+import ctypes.util
+import gc
 import os
 import pathlib
 import re
@@ -1133,6 +1145,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import jax
 
 PD_TIMEOUT = 120  # seconds; a launch of this part's scripts takes about 5 s on one core
 PD_GRACE = 5  # seconds the other processes get to finish once one has failed
@@ -1178,9 +1192,21 @@ def pd_quiet(text):
     return "".join(kept for kept, line in lines if kept.strip() or "\0" not in line)
 
 
+def pd_free_memory():
+    """Give back the memory of the programs this notebook has compiled (compiled again when
+    used) and the C library's free blocks."""
+    jax.clear_caches()
+    gc.collect()
+    try:  # glibc (Linux) only, as in the setup cell
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def launch(script, *args, num_processes=2, timeout=PD_TIMEOUT):
     """Run `python SCRIPT COORDINATOR NUM_PROCESSES PROCESS_ID *ARGS` for every process id at once
     and wait for all of them; return what each process printed (a list, by process id)."""
+    pd_free_memory()
     coordinator = f"127.0.0.1:{pd_free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FORCE_COLOR")}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHON_COLORS="0", NO_COLOR="1")
@@ -1377,8 +1403,9 @@ for pd_step in range(pd_model.STEPS):
 # 2. build one 1-D mesh of all 8 devices of both processes;
 # 3. read `x` and `y` from DATA_FILE (`np.load`), and pass **only this process's share** of each to
 #    `jax.make_array_from_process_local_data`: with N rows, process `p` takes the N/2 rows from
-#    row `p * N/2` on. The global arrays `x` and `y` (N rows) must be split over the 8 devices by
-#    rows;
+#    row `p * N/2` on, in order (`x[p * N//2 : (p + 1) * N//2]`), so that the global arrays hold
+#    the rows in the data file's order. The global arrays `x` and `y` (N rows) must be split over
+#    the 8 devices by rows;
 # 4. start from `pd_model.load_params(DATA_FILE)`, replicated on the 8 devices
 #    (`jax.device_put(params, NamedSharding(mesh, P()))`), and take `pd_model.STEPS` steps of
 #    gradient descent with step size `pd_model.STEP_SIZE` on `pd_model.loss` over the global

@@ -123,10 +123,20 @@ class Question:
     names: tuple
     verdict: Callable
     probe: Callable = evidence_of
+    # probed before the other questions: a probe that gives back the kernel's compiled programs
+    # (to make room for processes it starts) then costs the others no compiling again
+    probe_first: bool = False
 
 
-def question(names, verdict, probe=evidence_of):
-    return Question(names=tuple(names.split()), verdict=verdict, probe=probe)
+def question(names, verdict, probe=evidence_of, probe_first=False):
+    return Question(names=tuple(names.split()), verdict=verdict, probe=probe,
+                    probe_first=probe_first)
+
+
+def probe_order(questions):
+    """The keys of ``questions`` in the order to probe them: those marked probe_first first,
+    each group in its own order (questions of a checks module without the mark keep theirs)."""
+    return sorted(questions, key=lambda q: not getattr(questions[q], "probe_first", False))
 
 
 def entry_points(questions):

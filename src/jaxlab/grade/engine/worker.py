@@ -23,6 +23,7 @@ import time
 from otter.nbmeta_config import NBMetadataConfig
 
 from . import process
+from ..checks.form import probe_order
 from .autograder import FORM_MODULE, read_autograder
 from .cells import answer_regions, claim_cells, probe_cells, student_cells
 from .judge import score, verdicts
@@ -202,8 +203,8 @@ class Worker:
                                             f"placing its checks ({exc})") from None
                 # 3. each question's graded names, probed into plain data
                 if session.alive and self.checks:
-                    session.run(probe_cells(self.checks.QUESTIONS, self.ag.checks_module,
-                                            private, layout))
+                    session.run(probe_cells(probe_order(self.checks.QUESTIONS),
+                                            self.ag.checks_module, private, layout))
                 clock.lap("probe")
                 if self.s.claims_first:  # 5. now, for every question (Settings.claims_first)
                     if session.alive:
