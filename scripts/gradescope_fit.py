@@ -52,7 +52,7 @@ import zipfile
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LABS = ("lab3-parallelism", "lab4-shard-map", "lab5-scaling")
+LABS = ("lab3-parallelism", "lab4-shard-map", "lab5-scaling", "lab6-memory")
 # the Gradescope memory setting the README recommends per lab (768M is Gradescope's default):
 # Lab 5's kernel (~500 MiB) and the two processes of Part D (~115 MiB each) need more
 RECOMMENDED_MEMORY = {"lab5-scaling": "1G"}

@@ -7,7 +7,8 @@ import pytest
 from labs import LABS, release_paths
 from jaxlab import release
 
-QUESTION_COUNTS = {"lab3-parallelism": 9, "lab4-shard-map": 10, "lab5-scaling": 9}
+QUESTION_COUNTS = {"lab3-parallelism": 9, "lab4-shard-map": 10, "lab5-scaling": 9,
+                   "lab6-memory": 9}
 
 
 @pytest.fixture(scope="module", params=LABS)

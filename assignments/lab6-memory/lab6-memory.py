@@ -256,8 +256,8 @@ print_saved_residuals(lambda W, x: jnp.sum(jax.checkpoint(layer)(x, W, demo_b)),
 # any number of layers `L`, width and batch size. Its value and its gradient (`jax.grad`) must
 # equal those of `deep_loss`; the residuals it saves (`print_saved_residuals`), besides its
 # arguments, must be **each layer's input** (one stacked array of shape `(L, batch, width)`)
-# and nothing else that grows with `L`; and the compiled gradient must need much less temporary
-# memory than `deep_loss`'s.
+# and nothing else that grows with `L`; and the compiled gradient must need clearly less
+# temporary memory than `deep_loss`'s (under 80% of it).
 
 # %% [raw]
 # # BEGIN SOLUTION
@@ -1042,7 +1042,8 @@ print(ring_sum(jnp.arange(16.0)))  # each device: the sum of the 8 blocks of 2
 # (the last block needs no move), no `all_gather` and no array holding all `S` keys; each block
 # is folded in with the online softmax, the causal mask taken from global positions. It must
 # equal `attention` for any `S` divisible by 8 (one position per device too) and any `d`, and
-# its compiled temporary memory per device must be far below that of the `S × S` scores.
+# its compiled temporary memory per device must be far below what `attention` needs on one
+# device (under 10% of it).
 
 # %% [raw]
 # # BEGIN SOLUTION

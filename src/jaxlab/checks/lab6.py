@@ -228,6 +228,10 @@ def _mesh(axis, count=N_DEVICES, axis_type="Auto"):
                          devices=_devices(count))
 
 
+def _count(n, thing):
+    return f"{n} {thing}" + ("" if n == 1 else "s")
+
+
 def _distinct(rng, count, low, high):
     """``count`` different ints drawn from [low, high]."""
     return [int(n) for n in rng.choice(np.arange(low, high + 1), size=count, replace=False)]
@@ -314,6 +318,24 @@ def _stacked_residuals(name, rec, n_layers):
                   and len(r["shape"]) == 3 and r["shape"][0] == n_layers)
 
 
+def _without(shapes, taken):
+    """``shapes`` less one of each shape in ``taken``."""
+    left = list(shapes)
+    for shape in taken:
+        if shape in left:
+            left.remove(shape)
+    return left
+
+
+def _weights_hint(extra, weights):
+    """A remark when residuals that should not be there have the shapes of the weight stacks."""
+    if any(tuple(shape) in weights for shape in extra):
+        return (" (some have the shape of the weight stacks: slices of the weights taken "
+                "outside the checkpointed function are saved; let the scan hand them to it, or "
+                "slice them inside it)")
+    return ""
+
+
 def _shapes_words(shapes):
     return ", ".join(f"f32{list(s)}".replace(" ", "") for s in shapes) or "none"
 
@@ -323,10 +345,11 @@ def _shapes_words(shapes):
 # depth (one layer is the smallest network), the width and the batch, all three different so
 # that a residual's shape says which it is.
 REMAT_CASES = 2
-# The compiled gradient's temporary memory, checkpointed over plain, measured on CPU with JAX
-# 0.10.2 and 0.12: 0.37-0.45 for 8-32 layers (one stacked residual kept instead of three);
-# checkpointing the whole scan or nothing gives 0.9-1.0.
-REMAT_MEMORY_RATIO = 0.6
+# The compiled gradient's temporary memory, checkpointed over plain, on CPU over the fresh sizes
+# (10-13 layers, width 80-128, batch 32-64): 0.40-0.46 with JAX 0.10.2, 0.57-0.63 with 0.12
+# (whose plain program is leaner); checkpointing the whole scan gives 1.0-1.04 on both, a
+# Python loop of checkpointed layers 0.89-1.9.
+REMAT_MEMORY_RATIO = 0.8
 MEMORY_LAYERS = (10, 14)  # depth range of the memory comparison (the ratio needs depth)
 
 
@@ -382,7 +405,8 @@ def _probe_remat(values):
                 break
         params, x, y = _fresh_deep(rng, n_layers, width, batch)
         cases.append({"params": list(params), "x": x, "y": y,
-                      "words": f"for {n_layers} new layers of width {width}, batch {batch}",
+                      "words": f"for {_count(n_layers, 'new layer')} of width {width}, batch "
+                               f"{batch}",
                       **_value_and_grad(fn, params, x, y)})
     ev["fresh"] = cases
     params, x, y = cases[-1]["params"], cases[-1]["x"], cases[-1]["y"]
@@ -401,10 +425,10 @@ def _memory_ratio(name, memory, what, limit, reference_words):
         _fail(f"`{name}` could not be compiled for {what}: {memory['student']['error']}")
     student, reference = memory["student"]["temp"], memory["plain"]["temp"]
     ratio = student / max(reference, 1)
-    if ratio > limit:
+    if ratio >= limit:
         _fail(f"compiled for {what}, `{name}` needs {student / 2**20:.2f} MiB of temporary "
               f"memory, {ratio:.0%} of the {reference / 2**20:.2f} MiB of {reference_words}; "
-              f"expected much less (at most {limit:.0%}).")
+              f"expected clearly less (under {limit:.0%} of it).")
 
 
 def _q1(ev):
@@ -420,10 +444,11 @@ def _q1(ev):
     stacked = _stacked_residuals("remat_loss", ev["trace"], L)
     wanted = [(L, B, D)]
     if stacked != wanted:
-        extra = [s for s in stacked if s != wanted[0]]
+        extra = _without(stacked, wanted)
         how = (f"besides each layer's input, it keeps {_shapes_words(extra)}"
                if wanted[0] in stacked else
                f"it keeps {_shapes_words(stacked)}, not each layer's input")
+        how += _weights_hint(extra, {(L, D, D)})
         _fail(f"traced for {L} layers of width {D} and batch {B}, `remat_loss` saves "
               f"{len(stacked)} array(s) that grow with the depth ({_shapes_words(stacked)}): "
               f"{how}; expected only each layer's input, f32[{L},{B},{D}] (jax.checkpoint "
@@ -480,8 +505,8 @@ def _probe_policy(values):
                 break
         params, x, y = _fresh_blocks(rng, n_layers, d_model, d_ff, batch)
         cases.append({"params": list(params), "x": x, "y": y,
-                      "words": f"for {n_layers} new blocks (D {d_model}, F {d_ff}), batch "
-                               f"{batch}", **_value_and_grad(fn, params, x, y)})
+                      "words": f"for {_count(n_layers, 'new block')} (D {d_model}, F {d_ff}), "
+                               f"batch {batch}", **_value_and_grad(fn, params, x, y)})
     ev["fresh"] = cases
     params, x, y = cases[-1]["params"], cases[-1]["x"], cases[-1]["y"]
     ev["trace"] = {**_trace(fn, tuple(params), x, y), **_residuals(fn, tuple(params), x, y)}
@@ -507,20 +532,17 @@ def _q2(ev):
     for step in named:
         if step["made_by"][0] != "dot_general" or step["out"][0] != [B, F]:
             what = step["made_by"][0] or "an input of the block"
-            _fail(f"`policy_loss` gives the name {POLICY_NAME!r} to the result of `{what}` "
-                  f"(shape {tuple(step['out'][0])}); expected it on the product h @ W_in "
-                  f"itself (shape ({B}, {F})), before tanh.")
+            shape = f" (shape {tuple(step['out'][0])})" if step["out"][0] != [B, F] else ""
+            _fail(f"`policy_loss` gives the name {POLICY_NAME!r} to the result of `{what}`{shape}; "
+                  f"expected it on the product h @ W_in itself (shape ({B}, {F})), before tanh.")
     stacked = _stacked_residuals("policy_loss", ev["trace"], L)
     wanted = sorted([(L, B, D), (L, B, F)])
     if stacked != wanted:
-        missing = [s for s in wanted if s not in stacked]
-        extra = list(stacked)
-        for s in wanted:
-            if s in extra:
-                extra.remove(s)
+        missing, extra = _without(wanted, stacked), _without(stacked, wanted)
         how = "; ".join(filter(None, (
             f"it does not keep {_shapes_words(missing)}" if missing else "",
             f"it also keeps {_shapes_words(extra)}" if extra else "")))
+        how += _weights_hint(extra, {(L, D, F), (L, F, D)})
         _fail(f"traced for {L} blocks (D {D}, F {F}) and batch {B}, `policy_loss` saves "
               f"{_shapes_words(stacked)} that grow with the depth: {how}; expected exactly "
               f"each block's input f32[{L},{B},{D}] and its {POLICY_NAME!r} product "
@@ -533,9 +555,10 @@ LR, B1, B2, EPS = 1e-2, 0.9, 0.999, 1e-8  # the notebook's defaults
 ADAM_STEPS = 4
 # Fresh updates are compared on parameters of size ~0.1: float32 against float64 differ by
 # ~1e-8 there; eps inside the square root (with the large eps drawn here) differs by >= 1e-4,
-# a missing bias correction by ~1e-2.
+# a missing bias correction by ~1e-2. The moments are compared relatively (v can be 1e-6).
 ADAM_RTOL = 1e-4
 ADAM_ATOL = 1e-6
+ADAM_MOMENT_ATOL = 1e-7
 
 
 def _adam(param, grad, m, v, t, lr=LR, b1=B1, b2=B2, eps=EPS, correct=True, eps_inside=False):
@@ -634,18 +657,18 @@ def _adam_result(call, record, inputs, t, hyper, words):
     param, grad, m, v = inputs
     shape = tuple(np.shape(param))
     for item, what in zip(out, ("new_param", "new_m", "new_v")):
-        _array_out(f"{call}'s {what}", item, shape)
+        _array_out(f"the {what} of `{call}`", item, shape)
     expected = _adam(param, grad, m, v, t, **(hyper or {}))
     found = np.asarray(out[0]["value"], np.float64)
     for variant, why in ADAM_VARIANTS:
         wrong = _adam(param, grad, m, v, t, **(hyper or {}), **variant)[0]
         if not np.allclose(found, expected[0], rtol=ADAM_RTOL, atol=ADAM_ATOL) and \
                 np.allclose(found, wrong, rtol=ADAM_RTOL, atol=ADAM_ATOL):
-            _fail(f"`{call}` gives new parameters {words} that match Adam {why}.")
-    for item, ref, what in zip(out, expected, ("new_param", "new_m", "new_v")):
-        form.expect_close(f"{call}'s {what}", item["value"], ref,
-                          f"Adam's {what} {words} (float64 reference)", rtol=ADAM_RTOL,
-                          atol=ADAM_ATOL)
+            _fail(f"`{call}` {words} returns new parameters that match Adam {why}.")
+    for item, ref, what, atol in zip(out, expected, ("new_param", "new_m", "new_v"),
+                                     (ADAM_ATOL, ADAM_MOMENT_ATOL, ADAM_MOMENT_ATOL)):
+        form.expect_close(f"the {what} of `{call}`", item["value"], ref,
+                          f"Adam's {what} {words} (float64 reference)", rtol=ADAM_RTOL, atol=atol)
 
 
 def _settings(hyper):
@@ -681,11 +704,14 @@ ZERO_AXIS = "data"
 # Parameters after ZERO_STEPS steps, float32 on 8 devices against float64: Adam divides by
 # sqrt(v), so a gradient entry near zero makes its update sensitive to rounding; fresh draws
 # whose float64 gradients have an entry below ZERO_GRAD_MARGIN (relative to their mean size)
-# are drawn again. Measured over 2,000 kept draws: at most 2e-6 apart; the nearest wrong answer
-# (the gradient summed, not averaged: 8x) at least 1e-3 away.
+# are drawn again. A float32 simulation of the sharded step (8 partial gradients summed) over
+# 2,000 draws of both fresh shapes stayed within 1.3% of these tolerances for W, 3% for m and
+# v. Adam's update does not change when every gradient is scaled alike (a sum taken for the
+# mean, 8x), but m and v do: they are compared too.
 ZERO_GRAD_MARGIN = 1e-3
 ZERO_RTOL = 1e-4
 ZERO_ATOL = 2e-5
+ZERO_MOMENT_ATOL = 1e-6
 # Per-device argument bytes of the compiled step over the ideal fully split state and batch.
 ZERO_BYTES_FACTOR = 1.25
 ZERO_MEMORY_SHAPE = (256, 64, 32)  # d_in, d_out, batch of the memory comparison
@@ -833,7 +859,7 @@ def _q4(ev):
         items = _arrays(f"zero_init(W) {words}", case["init"], 3, "the state (W, m, v)")
         for item, ref, what in zip(items, (W, np.zeros_like(W), np.zeros_like(W)),
                                    ("W", "m", "v")):
-            call = f"zero_init(W)[{('W', 'm', 'v').index(what)}] {words}"
+            call = f"`zero_init(W)` ({what}) {words}"
             _close(call, item["value"], ref, f"{what}: " + ("W itself" if what == "W" else
                                                              "zeros"))
             _split_rows(call, item, f"the {what} of the state")
@@ -845,22 +871,21 @@ def _q4(ev):
                   "written with jax.shard_map on mesh_data, as the task says.")
         (ref_W, ref_m, ref_v), _ = _zero_reference(W, batches)
         final = _arrays(f"zero_step(...) {words}", case["final"], 3, "the new state (W, m, v)")
-        for i, (item, ref, what) in enumerate(zip(final, (ref_W, ref_m, ref_v), "Wmv")):
-            call = f"the state's {what} after {ZERO_STEPS} steps of zero_step {words}"
+        for item, ref, what, atol in zip(final, (ref_W, ref_m, ref_v), "Wmv",
+                                         (ZERO_ATOL, ZERO_MOMENT_ATOL, ZERO_MOMENT_ATOL)):
+            call = f"the state's {what} after {ZERO_STEPS} steps of `zero_step` {words}"
             _array_out(call, item, ref.shape)
             found = np.asarray(item["value"], np.float64)
-            if what == "W":
+            if what == "m" and not np.allclose(found, ref, rtol=ZERO_RTOL, atol=atol):
                 for factor in (N_DEVICES, 1 / N_DEVICES):
-                    wrong = _zero_with_scaled_grad(W, batches, factor)
-                    if not np.allclose(found, ref, rtol=ZERO_RTOL, atol=ZERO_ATOL) and \
-                            np.allclose(found, wrong, rtol=ZERO_RTOL, atol=ZERO_ATOL):
-                        _fail(f"`{call}` equals Adam on {factor:g} times the mean gradient: "
-                              "expected the mean over the whole batch (the sum that "
-                              "psum_scatter gives, divided by the number of devices, of each "
-                              "device's own mean-loss gradient).")
+                    if np.allclose(found, factor * ref, rtol=ZERO_RTOL, atol=atol):
+                        _fail(f"{call} is {factor:g} times Adam's m for the mean gradient: the "
+                              "gradient each device updates with must be its slice of the mean "
+                              "over the whole batch (what psum_scatter adds up, divided by the "
+                              "number of devices, of each device's own mean-loss gradient).")
             form.expect_close(call, found, ref, "Adam on one device with the mean gradient "
                               "of each whole batch (float64 reference)", rtol=ZERO_RTOL,
-                              atol=ZERO_ATOL)
+                              atol=atol)
             _split_rows(call, item, f"the new {what}")
         gathers, scatters, sums = _zero_communication(program, d_in, d_out)
         block = [d_in // N_DEVICES, d_out]
@@ -894,19 +919,16 @@ def _q4(ev):
                   f"per device ({ideal:.0f} bytes).")
 
 
-def _zero_with_scaled_grad(W, batches, factor):
-    W = np.asarray(W, np.float64)
-    m, v = np.zeros_like(W), np.zeros_like(W)
-    for t, (x, y) in enumerate(batches, start=1):
-        W, m, v = _adam(W, factor * _regression_grad(W, x, y), m, v, t)
-    return W
-
-
 # =========================================================================== Part C: attention
 # Scores of the "large" fresh inputs reach ATTENTION_LARGE: exp overflows float32 past 88.7, so
-# a softmax that does not subtract the maximum returns inf/nan there; float32 rounding of scores
-# that large stays ~1e-5, within the tolerances.
+# a softmax that does not subtract the maximum returns inf/nan there. Scores that large carry
+# float32 rounding of ~1e-5 that exp turns into relative errors of the weights: a correct float32
+# attention was measured up to 2.7e-4 from the float64 reference over 400 draws (2.5 times
+# RTOL/ATOL), so these cases are compared at LARGE_RTOL/LARGE_ATOL, still far below what a wrong
+# softmax (clipped scores, no mask) is off by there.
 ATTENTION_LARGE = 200.0
+LARGE_RTOL = 1e-2
+LARGE_ATOL = 1e-3
 
 
 def _attention_reference(q, k, v):
@@ -943,12 +965,13 @@ def _attention_result(call, case):
               f"{ATTENTION_LARGE:g} and exp of a score above 88 overflows float32; expected a "
               "numerically safe softmax that subtracts each row's maximum score before exp.")
     expected = _attention_reference(case["q"], case["k"], case["v"])
-    if not np.allclose(found, expected, rtol=RTOL, atol=ATOL):
+    if not case.get("large") and not np.allclose(found, expected, rtol=RTOL, atol=ATOL):
         for wrong, why in _attention_variants(case["q"], case["k"], case["v"]):
             if np.allclose(found, wrong, rtol=RTOL, atol=ATOL):
                 _fail(f"`{call}` {case['words']} computes attention {why}.")
-    _close(f"{call} {case['words']}", found, expected,
-           "causal softmax attention (float64 reference)")
+    rtol, atol = (LARGE_RTOL, LARGE_ATOL) if case.get("large") else (RTOL, ATOL)
+    form.expect_close(f"{call} {case['words']}", found, expected,
+                      "causal softmax attention (float64 reference)", rtol=rtol, atol=atol)
 
 
 def _attention_variants(q, k, v):
@@ -1010,8 +1033,8 @@ def _probe_blocked(values):
                           "large": large})
         ev["fresh"] = cases
         q, k, v = _attention_draw(rng, S, d)
-        ev["trace"] = {"S": S, "d": d, "block": middle, **_trace(
-            lambda q, k, v: fn(q, k, v, middle), q, k, v)}
+        ev["traces"] = [{"S": S, "d": d, "block": block, **_trace(
+            lambda q, k, v: fn(q, k, v, block), q, k, v)} for block in (middle, 1)]
     return ev
 
 
@@ -1019,8 +1042,13 @@ def _q6(ev):
     form.expect_callable("blocked_attention", ev["blocked_attention"])
     for case in ev["fresh"]:
         _attention_result("blocked_attention(q, k, v, block_size)", case)
-    trace = ev["trace"]
-    S, d, block = trace["S"], trace["d"], trace["block"]
+    for trace in ev["traces"]:
+        _one_pass(trace)
+
+
+def _one_pass(trace):
+    """The traced program folds each block of keys once and builds nothing of S × S."""
+    S, block = trace["S"], trace["block"]
     program = _program_of("blocked_attention", trace)
     big = sorted({tuple(shape) for s in program["steps"] for shape, dtype in
                   zip(s["out"], s["out_dtypes"]) if "float" in dtype and len(shape) >= 2
@@ -1269,7 +1297,7 @@ def _q8(ev):
         expected = _collective_bytes(kind, shape, n)
         found = _number(f"{call}[1]", bytes_ev)
         if not math.isclose(found, expected, rel_tol=1e-9, abs_tol=1e-9):
-            what = (f"the compiled program's {kind} has result f32{shape}".replace(" ", "")
+            what = (f"the compiled program's {kind} has result {_shapes_words([shape])}"
                     if kind != "none" else "the compiled program runs no collective")
             _fail(f"`{call}` says one device sends {found:.6g} bytes; {what}, so by the rules "
                   f"of the table one device sends {expected:.6g} bytes.")
