@@ -491,32 +491,6 @@ def fresh_record(name, ev, call):
     return fresh
 
 
-def value_of(fn, *args):
-    """Evidence of ``fn(*args)`` (what it prints thrown away), or ``{"kind": "error"}`` with the
-    student's error in one line."""
-    import contextlib
-    import io
-
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            return evidence(fn(*args))
-    except Exception as exc:
-        return {"kind": "error", "error": student_error(exc)}
-
-
-def number(name, ev, integer=False, kind="a float"):
-    """The number a Python/NumPy scalar or 0-d array evidence (from ``value_of``) holds; fail
-    unless it is one (an integer one with ``integer``)."""
-    if ev["kind"] == "error":
-        fail(f"`{name}` raised {ev['error']}; it should return a number.")
-    if ev["kind"] == "number" and (ev["is_int"] or not integer):
-        return ev["value"]
-    if ev["kind"] in ("array", "ndarray") and ev["shape"] == [] and (
-            not integer or "int" in ev["dtype"]):
-        return float(ev["value"])
-    fail(f"`{name}` returned {describe(ev)}; expected {'an int' if integer else kind}.")
-
-
 def expect_jitted(name, program):
     if not is_jit_wrapped(program):
         top = ", ".join(f"`{p}`" for p in program["top"]) or "nothing"

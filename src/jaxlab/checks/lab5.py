@@ -784,8 +784,24 @@ def _probe_bubble(values):
     return ev
 
 
-_value_of = form.value_of
-_number = form.number
+def _value_of(fn, *args):
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return form.evidence(fn(*args))
+    except Exception as exc:
+        return {"kind": "error", "error": _error(exc)}
+
+
+def _number(name, ev, integer=False):
+    """The number a Python/NumPy scalar or 0-d array evidence holds, or fail."""
+    if ev["kind"] == "error":
+        _fail(f"`{name}` raised {ev['error']}; it should return a number.")
+    if ev["kind"] == "number" and (ev["is_int"] or not integer):
+        return ev["value"]
+    if ev["kind"] in ("array", "ndarray") and ev["shape"] == [] and (
+            not integer or "int" in ev["dtype"]):
+        return float(ev["value"])
+    _fail(f"`{name}` returned {form.describe(ev)}; expected {'an int' if integer else 'a float'}.")
 
 
 def _q6(ev):
