@@ -72,9 +72,8 @@ def test_the_verdict_compiles_the_notebooks_case_programs():
         _function_source(ast.parse(checks), "_case_programs")
 
 
-@pytest.mark.parametrize("n", lab6.COST_DEVICES)
-def test_the_tables_rules_match_the_compiled_collectives(n):
-    I, J, K = 3 * n, 64 * n, 5 * n
+@pytest.mark.parametrize("I, J, K, n", lab6.COST_CASES)
+def test_the_tables_rules_match_the_compiled_collectives(I, J, K, n):
     expected = {1: ("none", 0), 2: ("all-gather", (n - 1) / n * 4 * J * K),
                 3: ("all-reduce", 2 * (n - 1) / n * 4 * I * K),
                 4: ("reduce-scatter", (n - 1) / n * 4 * I * K)}
@@ -104,6 +103,8 @@ def test_roofline_draws_cover_every_bound_and_batch_case_away_from_ties():
             assert exact is None or abs(exact - round(exact)) >= lab6.TIE_MARGIN * exact
     assert bounds == set(lab6.BOUNDS)
     assert None in batches and 1 in batches and max(b or 0 for b in batches) > 100
+    assert [b is None for b in batches[:len(lab6.BATCH_KINDS)]] == [
+        kind == "never" for kind in lab6.BATCH_KINDS]
 
 
 def _sharded_adam_in_float32(W, batches):

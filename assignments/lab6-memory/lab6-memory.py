@@ -196,8 +196,9 @@ print(f"loss {float(deep_loss(deep_params, deep_x, deep_y)):.4f}")
 print_saved_residuals(deep_loss, deep_params, deep_x, deep_y)
 
 # %% [markdown]
-# Three arrays of shape `(16, 64, 128)`: every layer's input, its pre-activation and its output,
-# for all 16 layers. They grow with the depth.
+# Three arrays of shape `(16, 64, 128)`, for all 16 layers: every layer's input, its output, and
+# one more value computed from the output (`tanh`'s derivative, `1 - tanh**2`, is built from
+# it). They grow with the depth.
 #
 # ### What the compiled program needs
 #
@@ -219,6 +220,28 @@ plain = compiled_grad(deep_loss, deep_params, deep_x, deep_y).memory_analysis()
 print(f"arguments {plain.argument_size_in_bytes / MiB:.2f} MiB, "
       f"outputs {plain.output_size_in_bytes / MiB:.2f} MiB, "
       f"temporary {plain.temp_size_in_bytes / MiB:.2f} MiB")
+
+# %% [markdown]
+# The same for other depths, compiled from shapes only:
+
+# %%
+DEPTHS = [4, 8, 16, 32]
+
+
+def deep_shapes(n_layers, width=WIDTH, batch=BATCH):
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    return ((spec(n_layers, width, width), spec(n_layers, width)), spec(batch, width),
+            spec(batch, width))
+
+
+def temp_by_depth(loss_fn):
+    """Temporary memory (MiB) of jax.grad(loss_fn) at each of DEPTHS."""
+    return [compiled_grad(loss_fn, *deep_shapes(n)).memory_analysis().temp_size_in_bytes / MiB
+            for n in DEPTHS]
+
+
+plain_by_depth = temp_by_depth(deep_loss)
+print("layers:", DEPTHS, " temporary MiB:", [round(m, 2) for m in plain_by_depth])
 
 # %% [markdown]
 # ### `jax.checkpoint`
@@ -310,28 +333,13 @@ def test_q1_remat_scan(remat_loss):
 if answered(remat_loss):
     print(f"loss {float(remat_loss(deep_params, deep_x, deep_y)):.4f}")
     print_saved_residuals(remat_loss, deep_params, deep_x, deep_y)
-    remat = compiled_grad(remat_loss, deep_params, deep_x, deep_y).memory_analysis()
-    print(f"temporary memory: {remat.temp_size_in_bytes / MiB:.2f} MiB with jax.checkpoint, "
-          f"{plain.temp_size_in_bytes / MiB:.2f} MiB without")
-
-# %% [markdown]
-# How memory grows with depth, with and without `jax.checkpoint` (compiled only, from shapes):
-
-# %%
-def deep_shapes(n_layers, width=WIDTH, batch=BATCH):
-    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    return ((spec(n_layers, width, width), spec(n_layers, width)), spec(batch, width),
-            spec(batch, width))
-
-
-if answered(remat_loss):
-    depths = [4, 8, 16, 32]
+    remat_by_depth = temp_by_depth(remat_loss)
+    print(f"temporary memory at {N_LAYERS} layers: "
+          f"{remat_by_depth[DEPTHS.index(N_LAYERS)]:.2f} MiB with jax.checkpoint, "
+          f"{plain_by_depth[DEPTHS.index(N_LAYERS)]:.2f} MiB without")
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for loss_fn, label in ((deep_loss, "deep_loss (stores every residual)"),
-                           (remat_loss, "remat_loss (jax.checkpoint on the body)")):
-        temp = [compiled_grad(loss_fn, *deep_shapes(n)).memory_analysis().temp_size_in_bytes / MiB
-                for n in depths]
-        ax.plot(depths, temp, marker="o", label=label)
+    ax.plot(DEPTHS, plain_by_depth, marker="o", label="deep_loss (stores every residual)")
+    ax.plot(DEPTHS, remat_by_depth, marker="o", label="remat_loss (jax.checkpoint on the body)")
     ax.set_xlabel("layers L")
     ax.set_ylabel("temporary memory of jax.grad (MiB)")
     ax.set_title(f"Memory of the gradient, batch {BATCH}, width {WIDTH}")
@@ -402,8 +410,45 @@ def blocks_loss(params, x, y):
     return jnp.mean(jnp.sum((h - y) ** 2, axis=-1))
 
 
+def full_remat_blocks_loss(params, x, y):
+    def body(h, block_params):
+        return jax.checkpoint(mlp_block)(h, *block_params), None
+
+    h, _ = lax.scan(body, x, params)
+    return jnp.mean(jnp.sum((h - y) ** 2, axis=-1))
+
+
+def residual_shapes(loss_fn, *args):
+    """The shapes of the residuals print_saved_residuals lists, except the arguments."""
+    import contextlib
+    import io
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_saved_residuals(loss_fn, *args)
+    return [line.split()[0] for line in text.getvalue().splitlines()
+            if line and "from the argument" not in line]
+
+
+def print_costs(loss_fn, label):
+    """A row of the table below: what loss_fn saves, and its gradient's memory and FLOPs."""
+    compiled = compiled_grad(loss_fn, block_params, block_x, block_y)
+    saved = ", ".join(residual_shapes(loss_fn, block_params, block_x, block_y))
+    print(f"{label:27} {saved:46} {compiled.memory_analysis().temp_size_in_bytes / MiB:8.2f} "
+          f"{compiled.cost_analysis()['flops'] / 1e6:7.1f}")
+
+
 block_params, block_x, block_y = init_blocks(jax.random.key(1))
-print(f"loss {float(blocks_loss(block_params, block_x, block_y)):.4f}")
+print(f"loss {float(blocks_loss(block_params, block_x, block_y)):.4f}\n")
+print(f"{'':27} {'saved (not arguments)':46} {'temp MiB':>8} {'MFLOPs':>7}")
+print_costs(blocks_loss, "store everything")
+print_costs(full_remat_blocks_loss, "jax.checkpoint, no policy")
+
+# %% [markdown]
+# The columns: the residuals saved (besides the arguments), the temporary memory of the
+# compiled gradient, and its FLOPs (those of one loop iteration: the scan bodies are counted
+# once, as above). Full recomputation saves memory and adds the block's matrix products once
+# more; the policy of the task keeps the products and recomputes only `tanh`.
 
 # %% [raw]
 # # BEGIN QUESTION
@@ -473,39 +518,11 @@ def test_q2_remat_policy(policy_loss):
 # # END QUESTION
 
 # %% [markdown]
-# The three versions side by side: residuals saved, temporary memory and FLOPs of the gradient
-# (the FLOPs of one loop iteration: the scan bodies are counted once, as above).
+# Your policy, in the table above's columns:
 
 # %%
-def full_remat_blocks_loss(params, x, y):
-    def body(h, block_params):
-        return jax.checkpoint(mlp_block)(h, *block_params), None
-
-    h, _ = lax.scan(body, x, params)
-    return jnp.mean(jnp.sum((h - y) ** 2, axis=-1))
-
-
-def residual_shapes(loss_fn, *args):
-    """The shapes of the residuals print_saved_residuals lists, except the arguments."""
-    import contextlib
-    import io
-
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_saved_residuals(loss_fn, *args)
-    return [line.split()[0] for line in text.getvalue().splitlines()
-            if line and "from the argument" not in line]
-
-
 if answered(policy_loss):
-    print(f"{'':30} {'saved (not arguments)':44} {'temp MiB':>8} {'MFLOPs':>7}")
-    for loss_fn, label in ((blocks_loss, "store everything"),
-                           (full_remat_blocks_loss, "jax.checkpoint, no policy"),
-                           (policy_loss, "save only 'hidden'")):
-        compiled = compiled_grad(loss_fn, block_params, block_x, block_y)
-        saved = ", ".join(residual_shapes(loss_fn, block_params, block_x, block_y))
-        print(f"{label:30} {saved:44} {compiled.memory_analysis().temp_size_in_bytes / MiB:8.2f} "
-              f"{compiled.cost_analysis()['flops'] / 1e6:7.1f}")
+    print_costs(policy_loss, "save only 'hidden'")
 
 # %% [markdown]
 # ## Part B: the optimizer's state, split over the devices
@@ -631,19 +648,46 @@ if answered(adam_update):
 #    tiled=True)`): each device receives the sum over the devices of **its rows** of the
 #    gradient, and nothing else; divided by the number of devices, that is its slice of the mean
 #    gradient over the whole batch;
-# 4. update **its slice** of `W`, `m` and `v` with Adam. No device ever holds the whole `m`, `v`
-#    or gradient for longer than a step.
+# 4. update **its slice** of `W`, `m` and `v` with Adam. No device ever holds the whole `m` or
+#    `v`, and it holds the whole gradient only within the step.
+#
+# Take care of step 3's division: Adam's update barely changes when every gradient is scaled by
+# the same factor (`m / sqrt(v)` does not), so the sum taken for the mean goes unnoticed in `W`;
+# it does not in `m` and `v`.
 #
 # A reduce-scatter followed by an all-gather moves exactly what one all-reduce moves (an
 # all-reduce is usually implemented that way), so compared with data parallelism, which
 # all-reduces the gradient, ZeRO divides the optimizer's memory by `n` **at no extra
 # communication**.
 #
-# The devices of this part, with an Explicit axis so that `jax.typeof` shows the split:
+# The devices of this part, with an Explicit axis so that `jax.typeof` shows the split, and
+# what one device holds as the arguments of a data-parallel step that keeps the state replicated
+# (`replicated_step`, the automatic data parallelism of Lab 3), for a model with `W` of shape
+# `(1024, 512)`, compiled from shapes only:
 
 # %%
 mesh_data = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Explicit,),
                           devices=devices)
+
+
+@jax.jit
+def replicated_step(state, x, y, t):
+    W, m, v = state
+    return adam_update(W, jax.grad(regression_loss)(W, x, y), m, v, t)
+
+
+def step_shapes(state_spec, d_in=1024, d_out=512, batch=64):
+    spec = lambda shape, s: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, jnp.float32, sharding=NamedSharding(mesh_data, s))
+    state = tuple(spec((d_in, d_out), state_spec) for _ in range(3))
+    return state, spec((batch, d_in), P("data")), spec((batch, d_out), P("data")), 1
+
+
+if answered(adam_update):
+    replicated_arguments = replicated_step.lower(*step_shapes(P())).compile().memory_analysis(
+        ).argument_size_in_bytes
+    print(f"replicated: arguments {replicated_arguments / MiB:.2f} MiB per device "
+          "(W, m and v whole, a slice of the batch)")
 
 # %% [raw]
 # # BEGIN QUESTION
@@ -664,8 +708,8 @@ mesh_data = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(AxisType.Explicit
 #   `psum` of it: that would be data parallelism's all-reduce), each device's Adam update of its
 #   slice. It returns the new state, each array split by rows over `'data'`.
 #
-# After any number of steps, the parameters must equal those of Adam on one device with the
-# mean gradient over the whole batch.
+# After any number of steps, the state must equal that of your `adam_update` on one device with
+# the mean gradient over the whole batch.
 
 # %% [raw]
 # # BEGIN SOLUTION
@@ -740,28 +784,13 @@ if answered(zero_init, zero_step, adam_update):
 
 # %% [markdown]
 # What one device holds as the step's arguments, for a model with `W` of shape `(1024, 512)`
-# (compiled from shapes only): the ZeRO step against a data-parallel step that keeps the state
-# replicated (`replicated_step`, the automatic data parallelism of Lab 3).
+# (compiled from shapes only): the ZeRO step against the data-parallel step of the table above.
 
 # %%
-@jax.jit
-def replicated_step(state, x, y, t):
-    W, m, v = state
-    return adam_update(W, jax.grad(regression_loss)(W, x, y), m, v, t)
-
-
-def step_shapes(state_spec, d_in=1024, d_out=512, batch=64):
-    spec = lambda shape, s: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, jnp.float32, sharding=NamedSharding(mesh_data, s))
-    state = tuple(spec((d_in, d_out), state_spec) for _ in range(3))
-    return state, spec((batch, d_in), P("data")), spec((batch, d_out), P("data")), 1
-
-
 if answered(zero_step, adam_update):
-    for name, step, state_spec in (("replicated", replicated_step, P()),
-                                   ("ZeRO", zero_step, P("data"))):
-        memory = step.lower(*step_shapes(state_spec)).compile().memory_analysis()
-        print(f"{name:>10}: arguments {memory.argument_size_in_bytes / MiB:6.2f} MiB per device")
+    memory = zero_step.lower(*step_shapes(P("data"))).compile().memory_analysis()
+    print(f"ZeRO: arguments {memory.argument_size_in_bytes / MiB:6.2f} MiB per device, against "
+          f"{replicated_arguments / MiB:.2f} MiB for the replicated step")
 
 # %% [markdown]
 # ## Part C: attention over a long sequence
@@ -849,11 +878,22 @@ def test_q5_attention_reference(attention):
 # # END QUESTION
 
 # %%
+S_LONG = 2048
+
+
+def seq_shapes(S, d=D_HEAD, sharding=None):
+    return [jax.ShapeDtypeStruct((S, d), jnp.float32, sharding=sharding)] * 3
+
+
 if answered(attention):
     att_out = attention(att_q, att_k, att_v)
     print("output", att_out.shape, " first row equals v[0]:", np.allclose(att_out[0], att_v[0]))
     print("finite with scores in the thousands:",
           bool(jnp.isfinite(attention(100 * att_q, 100 * att_k, att_v)).all()))
+    attention_temp = jax.jit(attention).lower(*seq_shapes(S_LONG)).compile().memory_analysis(
+        ).temp_size_in_bytes
+    print(f"S = {S_LONG} on one device: {attention_temp / MiB:.2f} MiB of temporary memory "
+          f"(the S × S scores alone: {S_LONG**2 * 4 / MiB:.0f} MiB)")
 
 # %% [markdown]
 # ### The softmax, one block of keys at a time
@@ -1107,10 +1147,6 @@ def test_q7_ring_attention(ring_attention):
 # # END QUESTION
 
 # %%
-def seq_shapes(S, d=D_HEAD, sharding=None):
-    return [jax.ShapeDtypeStruct((S, d), jnp.float32, sharding=sharding)] * 3
-
-
 if answered(ring_attention, attention):
     rows = NamedSharding(mesh_seq, P("seq"))
     ring_out = jax.jit(ring_attention)(*(jax.device_put(a, rows) for a in (att_q, att_k, att_v)))
@@ -1118,12 +1154,10 @@ if answered(ring_attention, attention):
     program = str(jax.make_jaxpr(ring_attention)(att_q, att_k, att_v))
     print("ppermute in the program:", program.count("ppermute["), " all_gather:",
           "all_gather" in program)
-    S_LONG = 2048
-    ring_temp = jax.jit(ring_attention).lower(*seq_shapes(S_LONG, sharding=rows)).compile()
-    full_temp = jax.jit(attention).lower(*seq_shapes(S_LONG)).compile()
-    print(f"S = {S_LONG}: temporary memory per device {ring_temp.memory_analysis().temp_size_in_bytes / MiB:.2f} MiB "
-          f"(ring) against {full_temp.memory_analysis().temp_size_in_bytes / MiB:.2f} MiB "
-          f"(attention on one device); the S × S scores alone: {S_LONG**2 * 4 / MiB:.0f} MiB")
+    ring_temp = jax.jit(ring_attention).lower(*seq_shapes(S_LONG, sharding=rows)).compile(
+        ).memory_analysis().temp_size_in_bytes
+    print(f"S = {S_LONG}: temporary memory per device {ring_temp / MiB:.2f} MiB (ring) against "
+          f"{attention_temp / MiB:.2f} MiB (attention on one device)")
 
 # %% [markdown]
 # ## Part D: the cost model

@@ -28,6 +28,7 @@ import functools
 import io
 import math
 import re
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,7 +61,6 @@ _error = form.student_error
 _fail = form.fail
 _label = form.label
 _close = functools.partial(form.expect_close, rtol=RTOL, atol=ATOL)
-_number = functools.partial(form.number, kind="a number")
 _grad_close = functools.partial(form.expect_close, rtol=GRAD_RTOL, atol=GRAD_ATOL)
 
 
@@ -232,9 +232,23 @@ def _count(n, thing):
     return f"{n} {thing}" + ("" if n == 1 else "s")
 
 
-def _distinct(rng, count, low, high):
-    """``count`` different ints drawn from [low, high]."""
-    return [int(n) for n in rng.choice(np.arange(low, high + 1), size=count, replace=False)]
+def _value_of(fn, *args):
+    """Evidence of what ``fn(*args)`` returns, or ``{"kind": "error"}``."""
+    record = _call(fn, *args)
+    return record["output"] if "output" in record else {"kind": "error", "error": record["error"]}
+
+
+def _number(call, ev, integer=False):
+    """The number (an int with ``integer``) that a Python or NumPy scalar, or an array of shape
+    (), holds; fail with the student's call otherwise."""
+    if ev["kind"] == "error":
+        _fail(f"`{call}` raised {ev['error']}; it should return a number.")
+    scalar = ev["kind"] == "number" or (ev["kind"] in ("array", "ndarray") and ev["shape"] == [])
+    whole = ev.get("is_int", False) or "int" in ev.get("dtype", "")
+    if not scalar or (integer and not whole):
+        _fail(f"`{call}` returned {form.describe(ev)}; expected "
+              f"{'an int' if integer else 'a number'}.")
+    return float(ev["value"])
 
 
 # =========================================================================== shared: verdicts
@@ -341,16 +355,22 @@ def _shapes_words(shapes):
 
 
 # =========================================================================== Part A: remat
-# The notebook's deep network: 16 tanh layers of width 128, batch 64. Fresh cases vary the
-# depth (one layer is the smallest network), the width and the batch, all three different so
-# that a residual's shape says which it is.
-REMAT_CASES = 2
+class Deep(NamedTuple):
+    layers: int
+    width: int
+    batch: int
+
+
+# The notebook's deep network: 16 tanh layers of width 128, batch 64. The fresh cases vary the
+# depth (one layer is the smallest network), the width and the batch; the residuals are read at
+# the last, whose three sizes differ so that a residual's shape says which it is.
+REMAT_CASES = (Deep(layers=1, width=7, batch=5), Deep(layers=5, width=12, batch=9))
 # The compiled gradient's temporary memory, checkpointed over plain, on CPU over the fresh sizes
 # (10-13 layers, width 80-128, batch 32-64): 0.40-0.46 with JAX 0.10.2, 0.57-0.63 with 0.12
 # (whose plain program is leaner); checkpointing the whole scan gives 1.0-1.04 on both, a
 # Python loop of checkpointed layers 0.89-1.9.
 REMAT_MEMORY_RATIO = 0.8
-MEMORY_LAYERS = (10, 14)  # depth range of the memory comparison (the ratio needs depth)
+REMAT_MEMORY_CASE = Deep(layers=12, width=96, batch=48)  # the ratio needs some depth
 
 
 def _fresh_deep(rng, n_layers, width, batch):
@@ -391,6 +411,14 @@ def _plain_deep_loss(params, x, y):
     return jnp.mean(jnp.sum((h - y) ** 2, axis=-1))
 
 
+@functools.lru_cache(maxsize=1)
+def _plain_memory():
+    """The notebook's deep_loss at REMAT_MEMORY_CASE, compiled once per kernel."""
+    L, D, B = REMAT_MEMORY_CASE
+    return _memory(_plain_deep_loss, (_spec(L, D, D), _spec(L, D)), _spec(B, D), _spec(B, D),
+                   grad=True)
+
+
 def _probe_remat(values):
     fn = values.get("remat_loss")
     ev = form.evidence_of({"remat_loss": fn})
@@ -398,11 +426,7 @@ def _probe_remat(values):
         return ev
     rng = _rng()
     cases = []
-    for n_layers in (1, int(rng.integers(3, 7))):
-        while True:  # three different sizes, none equal to the depth
-            width, batch = int(rng.integers(5, 25)), int(rng.integers(3, 21))
-            if len({n_layers, width, batch}) == 3:
-                break
+    for n_layers, width, batch in REMAT_CASES:
         params, x, y = _fresh_deep(rng, n_layers, width, batch)
         cases.append({"params": list(params), "x": x, "y": y,
                       "words": f"for {_count(n_layers, 'new layer')} of width {width}, batch "
@@ -411,12 +435,10 @@ def _probe_remat(values):
     ev["fresh"] = cases
     params, x, y = cases[-1]["params"], cases[-1]["x"], cases[-1]["y"]
     ev["trace"] = {**_trace(fn, tuple(params), x, y), **_residuals(fn, tuple(params), x, y)}
-    L = int(rng.integers(*MEMORY_LAYERS))
-    D, B = 16 * int(rng.integers(5, 9)), 8 * int(rng.integers(4, 9))
+    L, D, B = REMAT_MEMORY_CASE
     shapes = ((_spec(L, D, D), _spec(L, D)), _spec(B, D), _spec(B, D))
     ev["memory"] = {"layers": L, "width": D, "batch": B,
-                    "student": _memory(fn, *shapes, grad=True),
-                    "plain": _memory(_plain_deep_loss, *shapes, grad=True)}
+                    "student": _memory(fn, *shapes, grad=True), "plain": _plain_memory()}
     return ev
 
 
@@ -462,6 +484,18 @@ def _q1(ev):
 POLICY_NAME = "hidden"
 
 
+class Blocks(NamedTuple):
+    layers: int
+    d_model: int
+    d_ff: int
+    batch: int
+
+
+# sizes all different in the last case, where the residuals are read
+POLICY_CASES = (Blocks(layers=1, d_model=6, d_ff=19, batch=4),
+                Blocks(layers=4, d_model=9, d_ff=26, batch=11))
+
+
 def _fresh_blocks(rng, n_layers, d_model, d_ff, batch):
     W_in = (rng.normal(size=(n_layers, d_model, d_ff)) / np.sqrt(d_model)).astype(np.float32)
     W_out = (rng.normal(size=(n_layers, d_ff, d_model)) / np.sqrt(4 * d_ff)).astype(np.float32)
@@ -497,12 +531,7 @@ def _probe_policy(values):
         return ev
     rng = _rng()
     cases = []
-    for n_layers in (1, int(rng.integers(3, 7))):
-        while True:  # four different sizes, so that a residual's shape says which it is
-            d_model, d_ff, batch = (int(rng.integers(5, 13)), int(rng.integers(14, 31)),
-                                    int(rng.integers(3, 21)))
-            if len({n_layers, d_model, d_ff, batch}) == 4:
-                break
+    for n_layers, d_model, d_ff, batch in POLICY_CASES:
         params, x, y = _fresh_blocks(rng, n_layers, d_model, d_ff, batch)
         cases.append({"params": list(params), "x": x, "y": y,
                       "words": f"for {_count(n_layers, 'new block')} (D {d_model}, F {d_ff}), "
@@ -553,6 +582,37 @@ def _q2(ev):
 # =========================================================================== Part B: Adam
 LR, B1, B2, EPS = 1e-2, 0.9, 0.999, 1e-8  # the notebook's defaults
 ADAM_STEPS = 4
+
+
+class AdamChain(NamedTuple):
+    """ADAM_STEPS steps from zero moments, each fed the student's own previous result."""
+    shape: tuple
+    large_eps: bool  # eps of 1e-2 to 1e-1, where its place (inside the root or not) shows
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
+class AdamStep(NamedTuple):
+    """One step from given moments."""
+    words: str
+    shape: tuple
+    t: int
+    settings: bool  # False: called with the default settings
+    how: str  # "eager", "jit" (t traced) or "numpy" (NumPy arguments that must not change)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
+ADAM_CHAINS = (AdamChain(shape=(3, 4), large_eps=False), AdamChain(shape=(5,), large_eps=True))
+ADAM_STEPS_ALONE = (
+    AdamStep("at step t = 7 with moments already built up", (2, 3), 7, True, "eager"),
+    AdamStep("on a scalar parameter with the default settings", (), 1, False, "eager"),
+    AdamStep("under jax.jit with t a traced integer", (4,), 3, True, "jit"),
+    AdamStep("on NumPy arrays", (3,), 2, True, "numpy"))
 # Fresh updates are compared on parameters of size ~0.1: float32 against float64 differ by
 # ~1e-8 there; eps inside the square root (with the large eps drawn here) differs by >= 1e-4,
 # a missing bias correction by ~1e-2. The moments are compared relatively (v can be 1e-6).
@@ -602,7 +662,8 @@ def _probe_adam(values):
     f32 = np.float32
     chains = []
     # from zero moments, ADAM_STEPS steps, each step fed the student's own previous result
-    for shape, hyper in (((3, 4), _hyper(rng)), ((5,), _hyper(rng, large_eps=True))):
+    for shape, large_eps in ADAM_CHAINS:
+        hyper = _hyper(rng, large_eps=large_eps)
         state = [rng.uniform(-0.1, 0.1, shape).astype(f32), np.zeros(shape, f32),
                  np.zeros(shape, f32)]
         steps = []
@@ -623,11 +684,8 @@ def _probe_adam(values):
     # single steps: mid-training (t = 7), the defaults on a scalar, t traced under jax.jit,
     # and NumPy inputs that must come back unchanged
     singles = []
-    for words, shape, t, hyper, how in (
-            ("at step t = 7 with moments already built up", (2, 3), 7, _hyper(rng), "eager"),
-            ("on a scalar parameter with the default settings", (), 1, None, "eager"),
-            ("under jax.jit with t a traced integer", (4,), 3, _hyper(rng), "jit"),
-            ("on NumPy arrays", (3,), 2, _hyper(rng), "numpy")):
+    for words, shape, t, settings, how in ADAM_STEPS_ALONE:
+        hyper = _hyper(rng) if settings else None
         param = rng.uniform(-0.1, 0.1, shape).astype(f32)
         m = (0.3 * _gradient_draw(rng, shape)).astype(f32) if t > 1 else np.zeros(shape, f32)
         v = (rng.uniform(0.05, 0.5, shape)).astype(f32) if t > 1 else np.zeros(shape, f32)
@@ -701,20 +759,34 @@ def _q3(ev):
 # ---- q4: ZeRO
 ZERO_STEPS = 3
 ZERO_AXIS = "data"
-# Parameters after ZERO_STEPS steps, float32 on 8 devices against float64: Adam divides by
-# sqrt(v), so a gradient entry near zero makes its update sensitive to rounding; fresh draws
-# whose float64 gradients have an entry below ZERO_GRAD_MARGIN (relative to their mean size)
-# are drawn again. A float32 simulation of the sharded step (8 partial gradients summed) over
-# 2,000 draws of both fresh shapes stayed within 1.3% of these tolerances for W, 3% for m and
-# v. Adam's update does not change when every gradient is scaled alike (a sum taken for the
-# mean, 8x), but m and v do: they are compared too.
+# The state after ZERO_STEPS steps is compared with the student's own adam_update trained on one
+# device (float32, the mean gradient of each whole batch): Task 4 grades the sharding, Task 3
+# the formulas, and a wrong Adam costs only Task 3. Adam divides by sqrt(v), so a gradient entry
+# near zero makes its update sensitive to rounding; fresh draws whose float64 gradients have an
+# entry below ZERO_GRAD_MARGIN (relative to their mean size) are drawn again. A float32
+# simulation of the sharded step (8 partial gradients summed) over 2,000 draws of both fresh
+# shapes stayed within 1.3% of these tolerances for W (against float64), 3% for m and v. Adam's
+# update does not change when every gradient is scaled alike (a sum taken for the mean, 8x), but
+# m and v do: they are compared too.
 ZERO_GRAD_MARGIN = 1e-3
 ZERO_RTOL = 1e-4
 ZERO_ATOL = 2e-5
 ZERO_MOMENT_ATOL = 1e-6
 # Per-device argument bytes of the compiled step over the ideal fully split state and batch.
 ZERO_BYTES_FACTOR = 1.25
-ZERO_MEMORY_SHAPE = (256, 64, 32)  # d_in, d_out, batch of the memory comparison
+
+
+class Zero(NamedTuple):
+    d_in: int
+    d_out: int
+    batch: int
+    steps: int
+
+
+# one row of W and one example per device for one step, then more of each for ZERO_STEPS
+ZERO_CASES = (Zero(d_in=8, d_out=3, batch=8, steps=1),
+              Zero(d_in=40, d_out=11, batch=24, steps=ZERO_STEPS))
+ZERO_MEMORY_CASE = Zero(d_in=256, d_out=64, batch=32, steps=1)
 
 
 def _regression_grad(W, x, y):
@@ -737,12 +809,12 @@ def _zero_reference(W, batches):
     return (W, m, v), smallest
 
 
-def _fresh_zero(rng, d_in, d_out, batch):
+def _fresh_zero(rng, d_in, d_out, batch, steps=ZERO_STEPS):
     while True:
         W = (rng.normal(size=(d_in, d_out)) / np.sqrt(d_in)).astype(np.float32)
         batches = [(rng.normal(size=(batch, d_in)).astype(np.float32),
                     rng.normal(size=(batch, d_out)).astype(np.float32))
-                   for _ in range(ZERO_STEPS)]
+                   for _ in range(steps)]
         if _zero_reference(W, batches)[1] > ZERO_GRAD_MARGIN:
             return W, batches
 
@@ -752,14 +824,16 @@ def _replicated_adam_step(state, x, y, t):
     import jax.numpy as jnp
 
     W, m, v = state
-
-    def loss(W):
-        return jnp.mean(jnp.sum((jnp.tanh(x @ W) - y) ** 2, axis=-1))
-
-    g = jax.grad(loss)(W)
+    g = jax.grad(_regression_loss)(W, x, y)
     m = B1 * m + (1 - B1) * g
     v = B2 * v + (1 - B2) * g ** 2
     return W - LR * m / (1 - B1 ** t) / (jnp.sqrt(v / (1 - B2 ** t)) + EPS), m, v
+
+
+@functools.lru_cache(maxsize=4)
+def _replicated_memory(state, x, y):
+    """A step with the state replicated, compiled once per kernel for each layout."""
+    return _memory(_replicated_adam_step, state, x, y, 1)
 
 
 def _state_mesh(state):
@@ -778,16 +852,16 @@ def _probe_zero(values):
 
     init, step = values.get("zero_init"), values.get("zero_step")
     ev = form.evidence_of({"zero_init": init, "zero_step": step})
+    adam = values.get("adam_update")
     if not (callable(init) and callable(step)):
         return ev
     rng = _rng()
-    sizes = ((8, int(rng.integers(2, 6)), 8),  # one row and one example per device
-             (8 * int(rng.integers(3, 7)), int(rng.integers(3, 13)), 8 * int(rng.integers(2, 5))))
     cases = []
-    for d_in, d_out, batch in sizes:
-        W, batches = _fresh_zero(rng, d_in, d_out, batch)
+    for d_in, d_out, batch, steps in ZERO_CASES:
+        W, batches = _fresh_zero(rng, d_in, d_out, batch, steps)
         case = {"W": W, "batches": [list(b) for b in batches],
-                "words": f"for W of shape ({d_in}, {d_out}) and batches of {batch}"}
+                "words": f"for W of shape ({d_in}, {d_out}) and batches of {batch}",
+                "one_device": _one_device_adam(adam, W, batches)}
         cases.append(case)
         try:
             state = _quiet(init, W)
@@ -811,16 +885,43 @@ def _probe_zero(values):
     if all("final" in case for case in cases):
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        d_in, d_out, batch = ZERO_MEMORY_SHAPE
+        d_in, d_out, batch, _ = ZERO_MEMORY_CASE
         state = _quiet(init, np.zeros((d_in, d_out), np.float32))
         mesh = _state_mesh(state)
         rows, copies = NamedSharding(mesh, P(ZERO_AXIS)), NamedSharding(mesh, P())
         x, y = _spec(batch, d_in, sharding=rows), _spec(batch, d_out, sharding=rows)
         replicated = tuple(_spec(d_in, d_out, sharding=copies) for _ in range(3))
-        ev["memory"] = {"shape": list(ZERO_MEMORY_SHAPE),
+        ev["memory"] = {"shape": [d_in, d_out, batch],
                         "student": _memory(step, state, x, y, 1),
-                        "plain": _memory(_replicated_adam_step, replicated, x, y, 1)}
+                        "plain": _replicated_memory(replicated, x, y)}
     return ev
+
+
+def _regression_loss(W, x, y):
+    import jax.numpy as jnp
+
+    return jnp.mean(jnp.sum((jnp.tanh(x @ W) - y) ** 2, axis=-1))
+
+
+def _one_device_adam(adam, W, batches):
+    """The state after the student's adam_update (default settings) trains W on one device with
+    each whole batch's mean gradient: what ZeRO must reproduce, whatever that Adam's merits."""
+    import jax
+
+    if not callable(adam):
+        return {"error": "`adam_update` (Task 3) is not defined"}
+    @jax.jit
+    def step(state, x, y, t):
+        W, m, v = state
+        return tuple(adam(W, jax.grad(_regression_loss)(W, x, y), m, v, t))
+
+    try:
+        state = (W, np.zeros_like(W), np.zeros_like(W))
+        for t, (x, y) in enumerate(batches, start=1):
+            state = _quiet(step, state, x, y, t)
+        return {"output": form.evidence(tuple(jax.device_get(a) for a in state))}
+    except Exception as exc:
+        return {"error": _error(exc)}
 
 
 def _split_rows(name, item, words):
@@ -869,23 +970,28 @@ def _q4(ev):
         if not program["shard_maps"]:
             _fail("`zero_step` does not go through jax.shard_map; expected the per-device step "
                   "written with jax.shard_map on mesh_data, as the task says.")
-        (ref_W, ref_m, ref_v), _ = _zero_reference(W, batches)
+        single = case["one_device"]
+        if "error" in single:
+            _fail(f"training on one device with your `adam_update` {words}, the reference for "
+                  f"`zero_step`, failed: {single['error']}")
+        refs = [np.asarray(item["value"], np.float64) for item in _arrays(
+            "`adam_update`'s (W, m, v) on one device", single["output"], 3, "(W, m, v)")]
         final = _arrays(f"zero_step(...) {words}", case["final"], 3, "the new state (W, m, v)")
-        for item, ref, what, atol in zip(final, (ref_W, ref_m, ref_v), "Wmv",
+        for item, ref, what, atol in zip(final, refs, "Wmv",
                                          (ZERO_ATOL, ZERO_MOMENT_ATOL, ZERO_MOMENT_ATOL)):
-            call = f"the state's {what} after {ZERO_STEPS} steps of `zero_step` {words}"
+            call = f"the state's {what} after {_count(len(batches), 'step')} of `zero_step` " \
+                f"{words}"
             _array_out(call, item, ref.shape)
             found = np.asarray(item["value"], np.float64)
             if what == "m" and not np.allclose(found, ref, rtol=ZERO_RTOL, atol=atol):
                 for factor in (N_DEVICES, 1 / N_DEVICES):
                     if np.allclose(found, factor * ref, rtol=ZERO_RTOL, atol=atol):
-                        _fail(f"{call} is {factor:g} times Adam's m for the mean gradient: the "
+                        _fail(f"{call} is {factor:g} times m for the mean gradient: the "
                               "gradient each device updates with must be its slice of the mean "
                               "over the whole batch (what psum_scatter adds up, divided by the "
                               "number of devices, of each device's own mean-loss gradient).")
-            form.expect_close(call, found, ref, "Adam on one device with the mean gradient "
-                              "of each whole batch (float64 reference)", rtol=ZERO_RTOL,
-                              atol=atol)
+            form.expect_close(call, found, ref, "your adam_update on one device with the mean "
+                              "gradient of each whole batch", rtol=ZERO_RTOL, atol=atol)
             _split_rows(call, item, f"the new {what}")
         gathers, scatters, sums = _zero_communication(program, d_in, d_out)
         block = [d_in // N_DEVICES, d_out]
@@ -931,6 +1037,16 @@ LARGE_RTOL = 1e-2
 LARGE_ATOL = 1e-3
 
 
+class Attention(NamedTuple):
+    S: int
+    d: int
+    large: bool  # scores up to ATTENTION_LARGE
+
+
+ATTENTION_CASES = (Attention(S=29, d=13, large=False), Attention(S=1, d=6, large=False),
+                   Attention(S=13, d=29, large=True))
+
+
 def _attention_reference(q, k, v):
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     S, d = q.shape
@@ -946,6 +1062,11 @@ def _attention_draw(rng, S, d, large=False):
         top = np.max(np.abs(q.astype(np.float64) @ k.T)) / np.sqrt(d)
         q = (q * (ATTENTION_LARGE / top)).astype(np.float32)
     return q, k, v
+
+
+def _attention_words(S, d, large, block=None):
+    return f"for S = {S}, d = {d}" + (f", block_size = {block}" if block else "") + (
+        f", scores up to {ATTENTION_LARGE:g}" if large else "")
 
 
 def _attention_case(fn, q, k, v, words, *args):
@@ -996,13 +1117,9 @@ def _probe_attention(values):
     ev = form.evidence_of({"attention": fn})
     if callable(fn):
         rng = _rng()
-        S, d = _distinct(rng, 2, 3, 40)
-        cases = [_attention_case(fn, *_attention_draw(rng, S, d), f"for S = {S}, d = {d}"),
-                 _attention_case(fn, *_attention_draw(rng, 1, d), f"for S = 1, d = {d}")]
-        large = _attention_case(fn, *_attention_draw(rng, d, S, large=True),
-                                f"for S = {d}, d = {S}, scores up to {ATTENTION_LARGE:g}")
-        cases.append({**large, "large": True})
-        ev["fresh"] = cases
+        ev["fresh"] = [{**_attention_case(fn, *_attention_draw(rng, S, d, large),
+                                          _attention_words(S, d, large)), "large": large}
+                       for S, d, large in ATTENTION_CASES]
     return ev
 
 
@@ -1013,7 +1130,18 @@ def _q5(ev):
 
 
 # ---- q6: online softmax
-ONLINE_S = (24, 30, 36, 40)  # sequence lengths with several divisors, drawn from
+class Online(NamedTuple):
+    S: int
+    d: int
+    block: int
+    large: bool
+
+
+# block sizes from 1 to S; the programs are read at ONLINE_TRACES, whose d (odd) is no block
+# size, so that a block's scores (S, block) and its output (S, d) are told apart
+ONLINE_CASES = (Online(S=36, d=7, block=1, large=False), Online(S=36, d=7, block=9, large=True),
+                Online(S=36, d=7, block=36, large=False), Online(S=20, d=3, block=4, large=False))
+ONLINE_TRACES = (Online(S=36, d=7, block=9, large=False), Online(S=36, d=7, block=1, large=False))
 
 
 def _probe_blocked(values):
@@ -1021,20 +1149,12 @@ def _probe_blocked(values):
     ev = form.evidence_of({"blocked_attention": fn})
     if callable(fn):
         rng = _rng()
-        S = int(rng.choice(ONLINE_S))
-        middle = int(rng.choice([b for b in range(2, S // 2 + 1) if S % b == 0]))
-        d = int(rng.choice([n for n in range(3, 16, 2) if n != middle]))  # odd: never a block
-        cases = []
-        for block, large in ((1, False), (middle, True), (S, False)):
-            q, k, v = _attention_draw(rng, S, d, large=large)
-            words = f"for S = {S}, d = {d}, block_size = {block}" + (
-                f", scores up to {ATTENTION_LARGE:g}" if large else "")
-            cases.append({**_attention_case(fn, q, k, v, words, block), "block": block,
-                          "large": large})
-        ev["fresh"] = cases
-        q, k, v = _attention_draw(rng, S, d)
+        ev["fresh"] = [{**_attention_case(fn, *_attention_draw(rng, S, d, large),
+                                          _attention_words(S, d, large, block), block),
+                        "block": block, "large": large} for S, d, block, large in ONLINE_CASES]
         ev["traces"] = [{"S": S, "d": d, "block": block, **_trace(
-            lambda q, k, v: fn(q, k, v, block), q, k, v)} for block in (middle, 1)]
+            lambda q, k, v: fn(q, k, v, block), *_attention_draw(rng, S, d))}
+            for S, d, block, _ in ONLINE_TRACES]
     return ev
 
 
@@ -1074,6 +1194,19 @@ def _one_pass(trace):
 
 # ---- q7: ring attention
 RING_AXIS = "seq"
+
+
+class Ring(NamedTuple):
+    S: int
+    d: int
+    large: bool
+
+
+# one position per device, then more; the program is read at RING_TRACES, whose S, its block
+# S / 8 and d all differ
+RING_CASES = (Ring(S=8, d=5, large=False), Ring(S=48, d=7, large=False),
+              Ring(S=48, d=7, large=True))
+RING_TRACES = (Ring(S=40, d=3, large=False),)
 RING_MEMORY = (1024, 16)  # S, d of the memory comparison
 # Compiled temporary memory per device over that of one-device attention, both compiled here:
 # the lab's ring measured 0.006 (S = 1024) on CPU with JAX 0.10.2; the whole S x S scores on
@@ -1090,26 +1223,31 @@ def _probe_ring(values):
         return ev
     rng = _rng()
     mesh = _mesh(RING_AXIS)
-    b = int(rng.integers(3, 8))
-    d = int(rng.choice([n for n in range(3, 13) if n not in (b, 8, 8 * b)]))
     cases = []
-    for S, large in ((8, False), (8 * b, False), (8 * b, True)):
+    for S, d, large in RING_CASES:
         q, k, v = _attention_draw(rng, S, d, large=large)
-        words = f"for S = {S}, d = {d}" + (f", scores up to {ATTENTION_LARGE:g}" if large else "")
         placed = [_put(a, mesh, RING_AXIS) for a in (q, k, v)]
-        cases.append({"q": q, "k": k, "v": v, "words": words, "large": large,
-                      **_call(jax.jit(fn), *placed)})
+        cases.append({"q": q, "k": k, "v": v, "words": _attention_words(S, d, large),
+                      "large": large, **_call(jax.jit(fn), *placed)})
     ev["fresh"] = cases
-    q, k, v = (_put(a, mesh, RING_AXIS) for a in _attention_draw(rng, 8 * b, d))
-    ev["trace"] = {"S": 8 * b, "d": d, **_trace(fn, q, k, v)}
+    (S, d, _), = RING_TRACES
+    q, k, v = (_put(a, mesh, RING_AXIS) for a in _attention_draw(rng, S, d))
+    ev["trace"] = {"S": S, "d": d, **_trace(fn, q, k, v)}
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     S, d = RING_MEMORY
     rows = NamedSharding(mesh, P(RING_AXIS))
     ev["memory"] = {"S": S, "d": d,
                     "student": _memory(fn, *[_spec(S, d, sharding=rows)] * 3),
-                    "plain": _memory(_attention_one_device, *[_spec(S, d)] * 3)}
+                    "plain": _attention_memory()}
     return ev
+
+
+@functools.lru_cache(maxsize=1)
+def _attention_memory():
+    """One-device attention at RING_MEMORY, compiled once per kernel."""
+    S, d = RING_MEMORY
+    return _memory(_attention_one_device, *[_spec(S, d)] * 3)
 
 
 def _attention_one_device(q, k, v):
@@ -1196,7 +1334,19 @@ KINDS = ("none", "all-gather", "reduce-scatter", "all-reduce")
 # cost_analysis also counts the additions of an all-reduce (I·K); with J at least 64 n the
 # product's own FLOPs are within 1/(2·64) < 1% of its figure. A wrong count is off by 2x or more.
 FLOPS_RTOL = 0.02
-COST_DEVICES = (8, 4, 2)
+
+
+class Cost(NamedTuple):
+    I: int
+    J: int
+    K: int
+    n: int
+
+
+# every case of the table at each size; I and K differ (whose bytes are counted shows), J is
+# at least 64 n, and the dimensions split are divisible by n
+COST_CASES = (Cost(I=96, J=640, K=40, n=8), Cost(I=20, J=256, K=12, n=4),
+              Cost(I=6, J=130, K=14, n=2))
 HLO_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|"
                             r"collective-permute|all-to-all)(?:-start)?\(")
 
@@ -1257,15 +1407,9 @@ def _probe_costs(values):
     fn = values.get("matmul_costs")
     ev = form.evidence_of({"matmul_costs": fn})
     if callable(fn):
-        rng = _rng()
-        cases = []
-        for n in COST_DEVICES:
-            I, K = (n * m for m in _distinct(rng, 2, 2, 24))
-            J = n * int(rng.integers(64, 97))
-            for case in (1, 2, 3, 4):
-                cases.append({"case": case, "I": I, "J": J, "K": K, "n": n,
-                              "result": form.value_of(fn, case, I, J, K, n)})
-        ev["fresh"] = cases
+        ev["fresh"] = [{"case": case, "I": I, "J": J, "K": K, "n": n,
+                        "result": _value_of(fn, case, I, J, K, n)}
+                       for I, J, K, n in COST_CASES for case in (1, 2, 3, 4)]
     return ev
 
 
@@ -1305,7 +1449,18 @@ def _q8(ev):
 
 # ---- q9: rooflines
 BOUNDS = ("compute", "memory", "communication")
-ROOFLINE_CASES = 9
+
+
+class Roofline(NamedTuple):
+    bound: str  # the resource whose time is drawn longest; the others 1% to 90% of it
+    links: bool  # False: no communication at all (one chip)
+
+
+ROOFLINE_CASES = tuple(Roofline(bound, True) for bound in BOUNDS * 2) + (
+    Roofline("memory", False), Roofline("compute", False))
+# the kinds of critical_batch's answer: some batch size (drawn D, F, chip), exactly 1 (memory at
+# least as fast as the arithmetic), None (D, F below 64: never compute-bound on these chips)
+BATCH_KINDS = ("some",) * 6 + ("one", "never")
 # draws whose two largest times (or whose critical batch) lie this close to a tie are drawn
 # again: float rounding could decide them either way
 TIE_MARGIN = 1e-6
@@ -1341,35 +1496,35 @@ def _probe_roofline(values):
     fresh = {}
     if callable(time_fn):
         cases = []
-        for i in range(ROOFLINE_CASES):
+        for bound, links in ROOFLINE_CASES:
             chip = _chip(rng)
             longest = float(10 ** rng.uniform(-6, -1))
             times = {b: longest * float(rng.uniform(0.01, 0.9)) for b in BOUNDS}
-            times[BOUNDS[i % 3]] = longest  # every bound in turn; the others clearly shorter
-            if i == 3:
-                times["communication"] = 0.0  # a step on one chip
+            times[bound] = longest
+            if not links:
+                times["communication"] = 0.0
             cases.append((times["compute"] * chip["flop_per_s"],
                           times["memory"] * chip["hbm_bytes_per_s"],
                           times["communication"] * chip["link_bytes_per_s"], chip))
-        fresh["time"] = [[*case, form.value_of(time_fn, *case)] for case in cases]
+        fresh["time"] = [[*case, _value_of(time_fn, *case)] for case in cases]
     if callable(batch_fn):
         cases = []
-        while len(cases) < 8:
-            chip = _chip(rng)
-            D, F = (int(2 ** rng.uniform(5, 14)) for _ in range(2))
-            if len(cases) == 6:  # a chip whose memory is fast enough for a batch of 1
-                chip["hbm_bytes_per_s"] = chip["flop_per_s"] * float(rng.uniform(1.5, 4))
-                D, F = int(rng.integers(64, 4096)), int(rng.integers(64, 4096))
-            if len(cases) == 7:  # small matrices: never compute-bound
-                D, F = int(rng.integers(8, 64)), int(rng.integers(8, 64))
-            batch, exact = _critical(D, F, chip)
-            if (len(cases) == 7) != (batch is None):
-                continue
-            if exact is not None and (abs(exact - round(exact)) < TIE_MARGIN * exact or
-                                      (len(cases) == 6) != (batch == 1)):
-                continue
+        for kind in BATCH_KINDS:
+            while True:
+                chip = _chip(rng)
+                D, F = (int(2 ** rng.uniform(5, 14)) for _ in range(2))
+                if kind == "one":  # memory as fast as the arithmetic, or faster
+                    chip["hbm_bytes_per_s"] = chip["flop_per_s"] * float(rng.uniform(1.5, 4))
+                    D, F = int(rng.integers(64, 4096)), int(rng.integers(64, 4096))
+                if kind == "never":
+                    D, F = int(rng.integers(8, 64)), int(rng.integers(8, 64))
+                batch, exact = _critical(D, F, chip)
+                found = "never" if batch is None else "one" if batch == 1 else "some"
+                if found == kind and (exact is None or
+                                      abs(exact - round(exact)) >= TIE_MARGIN * exact):
+                    break
             cases.append((D, F, chip))
-        fresh["batch"] = [[*case, form.value_of(batch_fn, *case)] for case in cases]
+        fresh["batch"] = [[*case, _value_of(batch_fn, *case)] for case in cases]
     ev["fresh"] = fresh
     return ev
 
