@@ -251,7 +251,7 @@ def test_release_check_keeps_a_committed_badge_current(tmp_path, release_build):
 
 
 # --------------------------------------------------------------------------- volatile output
-def test_volatile_normaliser_ignores_emoji_timings_and_stream_splits_only():
+def test_volatile_normaliser_ignores_emoji_timings_pids_and_stream_splits_only():
     def nb_with(emoji, timing, bars):
         nb = nbformat.v4.new_notebook()
         cell = nbformat.v4.new_code_cell("x")
@@ -272,6 +272,12 @@ def test_volatile_normaliser_ignores_emoji_timings_and_stream_splits_only():
     slow = "\rtraining: {0}%|##| {0}/100 [01:4{1}<00:00,  1.0{1}s/it]"  # a loaded machine
     assert a == nb_with("\u2728", [timing.format("38.1", "0.76", "0.439")],
                         [slow.format(50, 1), slow.format(100, 4) + "\n"])
+    # the kernel's pid in a traced line's file name, but not the cell (its hash) or the line
+    trace = "f32[2,4] output of tanh from /tmp/ipykernel_{}/{}.py:{}:11 (layer)\n"
+    traced = nb_with("\u2728", [trace.format(7247, 2575921947, 2)], [])
+    assert traced == nb_with("\u2728", [trace.format(19681, 2575921947, 2)], [])
+    assert traced != nb_with("\u2728", [trace.format(7247, 1503587982, 2)], [])
+    assert traced != nb_with("\u2728", [trace.format(7247, 2575921947, 3)], [])
     # a result, not a time; a check that failed; a bar that stopped early
     assert a != nb_with("\u2728", [timing.format("38.1", "0.76", "0.440")], [bar.format(100, 2) + "\n"])
     assert a != nb_with("\u2728 failed", [timing.format("38.1", "0.76", "0.439")],

@@ -81,3 +81,13 @@ def test_the_zip_ships_only_what_the_container_imports():
     for module in ("run/batch.py", "run/slurm.py", "run/report.py", "output/page.py",
                    "output/plot.py", "engine/warmup.py"):
         assert module not in shipped
+
+
+@pytest.mark.parametrize("name", [n for n, _, _ in _modules()])
+def test_every_module_imports(name):
+    """A relative import that climbs too few levels names a package that does not exist (seen:
+    ``from ..checks.form`` in engine/worker.py after the move, which killed every worker while the
+    layering checks, which only see names that exist, passed)."""
+    import importlib
+
+    importlib.import_module(name)

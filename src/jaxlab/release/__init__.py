@@ -330,6 +330,9 @@ VOLATILE_OUTPUT = (
     # tqdm's elapsed, remaining and rate: "[00:06<00:00, 17.48it/s]", or "1.04s/it" when slow
     # (before the timings: their rule would take "1.04s" of a slow rate, seen on a loaded machine)
     (re.compile(r"\[[\d:]+<[\d:?]+, *[\d.?]+ ?(?:it/s|s/it)\]"), "[<tqdm>]"),
+    # the kernel's process id in the file names jax.ad_checkpoint.print_saved_residuals gives
+    # ("/tmp/ipykernel_7247/2575921947.py:2:11"; the second number is the cell's hash: it stays)
+    (re.compile(r"(/ipykernel_)\d+(/)"), r"\1<pid>\2"),
     # timings the lab prints ("38.1 ms per call", "speedup:   0.76x")
     (re.compile(r"\d+(?:\.\d+)?(?=(?: ?(?:ms|us|µs|ns|s)\b)|x\b)"), "<number>"),
 )

@@ -23,7 +23,7 @@ import time
 from otter.nbmeta_config import NBMetadataConfig
 
 from . import process
-from ..checks.form import probe_order
+from ...checks.form import probe_order
 from .autograder import FORM_MODULE, read_autograder
 from .cells import answer_regions, claim_cells, probe_cells, student_cells
 from .judge import score, verdicts
