@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: release check test sandbox slurm browser
+.PHONY: release check test test-quick sandbox slurm browser
 
 $(BIN)/jaxlab: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +17,16 @@ release: $(BIN)/jaxlab
 check: $(BIN)/jaxlab
 	$(BIN)/jaxlab release --check
 
-# the sandbox, Slurm and browser tests run for real, never skipped
+# the sandbox, Slurm and browser tests run for real, never skipped; two pytest processes, each
+# test file (the answer corpus: each lab) whole in one of them, so its shared fixtures build once
+PYTEST_PROCESSES ?= 2
+PYTEST_ARGS ?=
 test: $(BIN)/jaxlab sandbox slurm browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
+
+# the inner loop: every test that starts no kernel, sandbox, cluster, browser or release build
+test-quick: $(BIN)/jaxlab
+	$(BIN)/python -m pytest -n $(PYTEST_PROCESSES) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 # bubblewrap, the sandbox `jaxlab grade` runs each kernel in (Debian/Ubuntu; needs root)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
