@@ -17,9 +17,11 @@ release: $(BIN)/jaxlab
 check: $(BIN)/jaxlab
 	$(BIN)/jaxlab release --check
 
-# the sandbox, Slurm and browser tests run for real, never skipped; two pytest processes, each
-# test file (the answer corpus: each lab) whole in one of them, so its shared fixtures build once
-PYTEST_PROCESSES ?= 2
+# the sandbox, Slurm and browser tests run for real, never skipped. One pytest process by
+# default: with two (PYTEST_PROCESSES=2, each test file and each lab's corpus whole in one) the
+# suite was slower on 2 cores, and a thread flood and a Slurm array beside other batches failed
+# there that pass alone (2026-11-25, not yet explained)
+PYTEST_PROCESSES ?= 0
 PYTEST_ARGS ?=
 test: $(BIN)/jaxlab sandbox slurm browser
 	$(BIN)/python -m pytest -n $(PYTEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)

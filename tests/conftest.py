@@ -27,7 +27,7 @@ def jaxlab_cache(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, what `make test` runs) the tests of one
+    """Under pytest-xdist (``-n 2 --dist loadgroup``: `make test PYTEST_PROCESSES=2`) the tests of one
     file go to one process, so its module fixtures (a graded batch, a kernel) are built once;
     the answer corpus goes by lab, one kernel per lab."""
     for item in items:

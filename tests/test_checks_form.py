@@ -86,6 +86,20 @@ def test_evidence_survives_the_json_and_npz_round_trip(tmp_path, mesh):
     assert np.isnan(back["items"][1][1]["items"][0]["value"])
 
 
+def test_numpy_scalars_in_raw_evidence_cross_to_the_grader_as_0d_arrays(tmp_path):
+    # seen: Lab 6 q3's probe keeps the inputs it drew, one of them a float32 scalar (shape ());
+    # the kernel could not write it, and jaxlab grade scored the solution's q3 as unreadable
+    ev = {"inputs": [np.float32(0.25), np.int64(3), np.arange(2.0)], "t": (1, 2)}
+    form.dump_evidence(ev, tmp_path / "ev.json")
+    back = form.load_evidence(tmp_path / "ev.json")
+    assert back["inputs"][0].shape == () and back["inputs"][0].dtype == np.float32
+    assert back["inputs"][0] == np.float32(0.25) and back["inputs"][1] == 3
+    assert back["t"] == [1, 2]
+    # what otter's in-kernel check judges is the same as what the grader loads
+    same = form.transported(ev)
+    assert same["inputs"][0].dtype == np.float32 and same["t"] == [1, 2]
+
+
 def test_numbers_devices_and_functions_have_their_own_kinds():
     assert form.evidence(3)["is_int"] and not form.evidence(3.0)["is_int"]
     assert form.evidence(np.float32(2.5))["kind"] == "number"

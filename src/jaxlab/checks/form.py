@@ -151,17 +151,19 @@ def entry_points(questions):
         questions[question].verdict(ev)
 
     def check(question, **values):
-        verdict(question, probe(question, values))
+        verdict(question, transported(probe(question, values)))
 
     return probe, verdict, check
 
 
 # --------------------------------------------------------------------------- transport
-def dump_evidence(ev, path):
-    """Write evidence as JSON plus an ``.npz`` of its arrays (no pickle anywhere)."""
+def _encode(ev):
+    """(JSON text, {key: array}) of evidence: arrays (NumPy scalars as 0-d arrays) stored apart."""
     arrays = {}
 
     def strip(node):
+        if isinstance(node, np.generic):  # np.float32(0.1): json cannot write it
+            node = np.asarray(node)
         if isinstance(node, np.ndarray):
             key = f"a{len(arrays)}"
             arrays[key] = node
@@ -174,16 +176,10 @@ def dump_evidence(ev, path):
             return {"__float__": repr(node)}
         return node
 
-    path = pathlib.Path(path)
-    path.write_text(json.dumps(strip(ev)))
-    np.savez(path.with_suffix(".npz"), **arrays)
+    return json.dumps(strip(ev)), arrays
 
 
-def load_evidence(path):
-    path = pathlib.Path(path)
-    with np.load(path.with_suffix(".npz"), allow_pickle=False) as npz:
-        arrays = {k: npz[k] for k in npz.files}
-
+def _decode(text, arrays):
     def restore(node):
         if isinstance(node, dict):
             if set(node) == {"__array__"}:
@@ -195,7 +191,29 @@ def load_evidence(path):
             return [restore(v) for v in node]
         return node
 
-    return restore(json.loads(path.read_text()))
+    return restore(json.loads(text))
+
+
+def transported(ev):
+    """``ev`` as the trusted grader receives it from the kernel (tuples as lists, NumPy scalars
+    as 0-d arrays): ``check`` judges this too, so that a verdict in the kernel (otter) and one
+    in the grader (jaxlab grade, the zip's entry point) see the same evidence."""
+    return _decode(*_encode(ev))
+
+
+def dump_evidence(ev, path):
+    """Write evidence as JSON plus an ``.npz`` of its arrays (no pickle anywhere)."""
+    text, arrays = _encode(ev)
+    path = pathlib.Path(path)
+    path.write_text(text)
+    np.savez(path.with_suffix(".npz"), **arrays)
+
+
+def load_evidence(path):
+    path = pathlib.Path(path)
+    with np.load(path.with_suffix(".npz"), allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    return _decode(path.read_text(), arrays)
 
 
 # --------------------------------------------------------------------------- wording

@@ -722,7 +722,8 @@ def _adam_result(call, record, inputs, t, hyper, words):
         wrong = _adam(param, grad, m, v, t, **(hyper or {}), **variant)[0]
         if not np.allclose(found, expected[0], rtol=ADAM_RTOL, atol=ADAM_ATOL) and \
                 np.allclose(found, wrong, rtol=ADAM_RTOL, atol=ADAM_ATOL):
-            _fail(f"`{call}` {words} returns new parameters that match Adam {why}.")
+            _fail(f"`{call}` {words} returns new parameters that match Adam {why}; expected "
+                  "Adam's update as the task writes it.")
     for item, ref, what, atol in zip(out, expected, ("new_param", "new_m", "new_v"),
                                      (ADAM_ATOL, ADAM_MOMENT_ATOL, ADAM_MOMENT_ATOL)):
         form.expect_close(f"the {what} of `{call}`", item["value"], ref,
