@@ -77,7 +77,8 @@ def graded(tmp_path_factory):
         if answer.id not in cache:
             lab = answer.lab
             if lab not in harnesses:
-                harnesses[lab] = answers_harness.LabHarness(lab, tmp_path_factory.mktemp(lab))
+                harnesses[lab] = answers_harness.LabHarness(
+                    lab, tmp_path_factory.mktemp(lab), tmp_path_factory.mktemp(f"{lab}-jax-cache"))
             cache[answer.id] = harnesses[lab].grade(answer)
         return cache[answer.id]
 

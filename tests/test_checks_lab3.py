@@ -256,3 +256,20 @@ def test_trained_reference_is_kept_for_later_workers_where_the_grader_says(tmp_p
         np.testing.assert_array_equal(W, W0)
         np.testing.assert_array_equal(b, b0)
     lab3._trained_reference.cache_clear()
+
+
+def test_q9_times_grad_loss_on_the_notebooks_own_cpu_training_problem():
+    """The probe's reference timing must be of the problem the student timed: the CPU branch of
+    the notebook's data cell (n, layer_sizes) is the probe's CPU_TRAINING."""
+    import ast
+
+    import nbformat
+
+    from labs import release_paths
+
+    nb = nbformat.read(release_paths("lab3-parallelism")["master"], as_version=4)
+    cell = next(c.source for c in nb.cells if "layer_sizes = [" in c.source)
+    branch = next(n for n in ast.walk(ast.parse(cell)) if isinstance(n, ast.If)
+                  and "cpu" in ast.unparse(n.test))
+    values = {t.id: ast.literal_eval(s.value) for s in branch.body for t in s.targets}
+    assert (values["n"], tuple(values["layer_sizes"])) == lab3.CPU_TRAINING

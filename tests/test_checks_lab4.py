@@ -179,6 +179,7 @@ def test_q7_rejects_a_loss_without_shard_map():
     assert msg.startswith("`loss_dp` gives the right numbers but does not go through jax.shard_map")
 
 
+@pytest.mark.slow  # hundreds of fresh cases: ~25 s
 def test_fresh_mlp_inputs_keep_every_relu_input_clear_of_float32_noise():
     for i in range(10):
         seed = lab4._kink_free_seed(np.random.default_rng(i))

@@ -25,6 +25,8 @@ import yaml
 from jaxlab.checks import lab5
 from labs import ROOT, release_paths
 
+pytestmark = pytest.mark.slow  # two processes per test (gloo), some in the sandbox
+
 LAB = "lab5-scaling"
 CORPUS = yaml.safe_load((ROOT / "tests" / "answers" / LAB / "q9_multi_process.yaml").read_text())
 

@@ -995,9 +995,9 @@ def train(params, x, y, epochs=100, step_size=1e-3):
 global_key = jax.random.key(seed=0)
 gen_key, *keys = jax.random.split(global_key, 3)
 
-if devices[0].platform == "cpu":
+if devices[0].platform == "cpu":  # 8 simulated devices share a few cores: keep it small
     n = 1024
-    layer_sizes = [1, 1024, 1024, 1]
+    layer_sizes = [1, 256, 256, 1]
 else:
     n = 8192 * 2
     layer_sizes = [1, 8192, 8192, 8192, 1]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pandas as pd
+import pytest
 import yaml
 
 from jaxlab.grade.run.shard import shard_of
@@ -54,6 +55,7 @@ def test_the_manifests_are_an_indexed_grade_job_and_a_report_job_with_what_bwrap
     assert container(report)["args"] == [f"exec jaxlab report {out}"]
 
 
+@pytest.mark.slow  # grades a shard: kernels in the sandbox
 def test_the_indexed_jobs_command_run_here_grades_its_shard(lab, tmp_path):
     jobs = manifests()
     grade, report = jobs["jaxlab-grade"], jobs["jaxlab-report"]

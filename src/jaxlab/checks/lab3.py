@@ -46,6 +46,8 @@ TIMING_MARGIN = 4
 TIMING_MAX_CALLS = 100
 TIMING_MIN_TIMED = 2  # calls after the first: one timed call is not an average
 MESH_SIZES = (4, 8)
+# the notebook's training problem on a CPU: (n, layer_sizes); q9's probe times grad_loss on it
+CPU_TRAINING = (1024, (1, 256, 256, 1))
 FRESH_ROWS = 64
 
 
@@ -187,7 +189,7 @@ def _probe_timing(values):
     if callable(values.get("seconds_per_call")):
         ev["timing_runs"] = _timing_runs(values["seconds_per_call"])
     devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
-    x, y, params = _training_setup(1024, (1, 1024, 1024, 1))
+    x, y, params = _training_setup(*CPU_TRAINING)
     mesh = jax.make_mesh((len(devices[:8]),), ("batch",), axis_types=(AxisType.Auto,),
                          devices=devices[:8])
     data, replicated = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
