@@ -327,3 +327,21 @@ def test_gloo_chatter_goes_however_its_threads_interleave_it(notebook_launch, tm
         log = tmp_path / "log.txt"
         log.write_text(text)
         assert lab5._pd_read_log(log) == wanted, text
+
+
+def test_a_process_that_raised_is_named_before_one_the_runtime_aborted_first():
+    """Which process exits first is a race: under load the runtime aborts one (signal 6) when
+    its peer fails, sometimes before the peer has printed why. The message names the exception."""
+    script = textwrap.dedent("""\
+        import os, sys, time
+        if sys.argv[3] == "0":
+            os.abort()
+        time.sleep(1)
+        raise ValueError("no data for this process")
+        """)
+    ev = lab5.probe("q9_multi_process", {"train_script": script})
+    assert ev["fresh"]["first_failed"] == 0 and ev["fresh"]["returncodes"] == [-6, 1]
+    message = verdict_message(ev)
+    assert "process 1 (started as `python pd_train.py COORDINATOR 2 1 DATA_FILE OUT_FILE`) " \
+           "stopped with `ValueError: no data for this process` (line 5 of your script)" in message
+    assert not leftover_processes()

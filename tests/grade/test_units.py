@@ -252,3 +252,36 @@ def test_a_claim_that_disagrees_is_tampering_except_where_the_verdict_rests_on_t
     points = {tf.name: sum(tc.points or 0 for tc, r in zip(tf.test_cases, tf.test_case_results)
                            if r.passed) for tf in judgement.test_files}
     assert points["q1_device_put"] == points["q9_timing"] == 0
+
+
+def test_reaping_orphans_spares_the_whole_tree_of_the_next_kernel_even_what_it_forks_later():
+    """The worker kills every process left from a job except the next, prestarted kernel. That
+    kernel may still be starting (bwrap forks, then the kernel): a child it forks after the
+    worker looked must be spared too, and an orphan of the job must not."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from jaxlab.grade.engine import process
+
+    starting = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, time\ntime.sleep(1)\n"
+         "subprocess.Popen(['sleep', '30'])\ntime.sleep(30)"], start_new_session=True)
+    orphan = subprocess.Popen(["sleep", "30"])
+    try:
+        assert psutil.Process(starting.pid).children() == []  # it has not forked yet
+        time.sleep(2)
+        late = psutil.Process(starting.pid).children()
+        assert len(late) == 1  # and now it has
+        found = {p.pid for p in process.descendants(spare={starting.pid})}
+        assert orphan.pid in found
+        assert starting.pid not in found and late[0].pid not in found
+    finally:
+        os.killpg(starting.pid, signal.SIGKILL)
+        orphan.kill()
+        starting.wait()
+        orphan.wait()

@@ -1625,6 +1625,12 @@ def _pd_ran(fresh):
                  "waiting for the other one: both must call jax.distributed.initialize with the "
                  "same coordinator address and num_processes=2, each with its own process_id.")
     i = fresh["first_failed"]
+    # which process exits first is a race (under load, a process aborted by the runtime when
+    # its peer failed can exit before the peer has printed why): name one that stopped with a
+    # Python exception of its own when there is one
+    raised = [j for j, code in enumerate(fresh["returncodes"]) if code is not None and code > 0]
+    if i is not None and fresh["returncodes"][i] < 0 and raised:
+        i = raised[0]
     if i is not None:
         code = fresh["returncodes"][i]
         error, line = _pd_error_of(fresh["logs"][i], fresh.get("folder"))

@@ -39,15 +39,33 @@ def kill_and_reap(procs, wait=5):
     psutil.wait_procs(procs, timeout=wait)
 
 
-def descendants(since=None, keep=()):
-    """This process's descendants (started at or after ``since``), except the pids in ``keep``."""
+def descendants(since=None, spare=()):
+    """This process's descendants (started at or after ``since``), except the whole trees
+    rooted at the pids in ``spare``. Whole trees, read as the walk reaches them: a kernel that
+    is still starting forks while we look (bwrap, then the kernel), and a child it forks after a
+    snapshot of its tree was taken must not be killed as an orphan (under load that killed the
+    next kernel before it replied: "Kernel died before replying to kernel_info")."""
     def wanted(p):
         try:
-            return p.pid not in keep and (since is None or p.create_time() >= since - 1)
+            return since is None or p.create_time() >= since - 1
         except psutil.Error:
             return False
 
-    return [p for p in psutil.Process().children(recursive=True) if wanted(p)]
+    def children(p):
+        try:
+            return p.children()
+        except psutil.Error:
+            return []
+
+    found, todo = [], children(psutil.Process())
+    while todo:
+        p = todo.pop()
+        if p.pid in spare:
+            continue
+        if wanted(p):
+            found.append(p)
+        todo.extend(children(p))
+    return found
 
 
 def rss(procs):

@@ -272,8 +272,8 @@ class Worker:
 
     def _reap(self):
         """Kill every process left from this job: orphans of the kernel land here (subreaper)."""
-        keep = {p.pid for p in self.spare.tree()} if self.spare else set()
-        process.kill_and_reap(process.descendants(keep=keep))
+        spare = {self.spare.pid} if self.spare else set()
+        process.kill_and_reap(process.descendants(spare=spare))
 
     def close(self):
         if self.spare:
