@@ -19,8 +19,9 @@ check: $(BIN)/jaxlab
 
 # the sandbox, Slurm and browser tests run for real, never skipped. One pytest process by
 # default: with two (PYTEST_PROCESSES=2, each test file and each lab's corpus whole in one) the
-# suite was slower on 2 cores, and a thread flood and a Slurm array beside other batches failed
-# there that pass alone (2026-11-25, not yet explained)
+# suite was not faster on 2 cores, and under that load a Slurm array test and test_colab's
+# otter check failed once (2026-11-26, not yet explained; the thread flood's failure was a
+# reaping race, fixed)
 PYTEST_PROCESSES ?= 0
 PYTEST_ARGS ?=
 test: $(BIN)/jaxlab sandbox slurm browser
