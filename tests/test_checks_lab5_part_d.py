@@ -345,3 +345,31 @@ def test_a_process_that_raised_is_named_before_one_the_runtime_aborted_first():
     assert "process 1 (started as `python pd_train.py COORDINATOR 2 1 DATA_FILE OUT_FILE`) " \
            "stopped with `ValueError: no data for this process` (line 5 of your script)" in message
     assert not leftover_processes()
+
+
+def test_an_exception_followed_by_a_long_native_crash_dump_is_still_what_the_log_keeps(tmp_path):
+    """Under load the runtime aborts a process after it raised (signal 6): the native stack dump
+    after the exception is longer than the tail the checks keep, and it says nothing."""
+    folder = "/tmp/jaxlab-q9-abc"
+    log = textwrap.dedent(f"""\
+        step 0
+        Traceback (most recent call last):
+          File "{folder}/pd_train.py", line 24, in <module>
+            params = jax.device_put(params, replicated)
+          File "/venv/lib/python3.11/site-packages/jax/_src/api.py", line 2650, in device_put
+            return _device_put(x)
+        jax.errors.JaxRuntimeError: INVALID_ARGUMENT: Multiprocess computations aren't implemented
+        --------------------
+        For simplicity, JAX has removed its internal frames from the traceback of the following
+        """) + "*** SIGABRT received at time=1764123456 on cpu 1 ***\n" + \
+        "".join(f"PC: @     0x7f2b478a{i:04x}  (unknown)\n" for i in range(lab5.PD_LOG_TAIL // 20))
+    path = tmp_path / "process-0.log"
+    path.write_text(log)
+    kept = lab5._pd_read_log(path)
+    assert len(kept) <= lab5.PD_LOG_TAIL
+    assert lab5._pd_error_of(kept, folder) == (
+        "`jax.errors.JaxRuntimeError: INVALID_ARGUMENT: Multiprocess computations aren't "
+        "implemented`", 24)
+    short = "step 0\nstep 1\n"
+    path.write_text(short)
+    assert lab5._pd_read_log(path) == short

@@ -1504,7 +1504,24 @@ def _pd_read_log(path):
     # then drop the lines that held nothing else
     marked = PD_GLOO_NOISE.sub("\0", text)
     lines = [(line.replace("\0", ""), line) for line in marked.splitlines(True)]
-    return "".join(kept for kept, line in lines if kept.strip() or "\0" not in line)[-PD_LOG_TAIL:]
+    return _pd_tail("".join(kept for kept, line in lines if kept.strip() or "\0" not in line))
+
+
+def _pd_tail(text):
+    """The end of a log; when more output came after its last Python exception than the tail
+    holds, that exception instead (the traceback's header, its frames in the student's script,
+    the exception line): under load the runtime can abort a process after it raised (signal 6
+    and a native stack dump, which says nothing to a student), and the verdict saw only the dump."""
+    start = text.rfind("Traceback (most recent call last)")
+    if start == -1 or start >= len(text) - PD_LOG_TAIL:
+        return text[-PD_LOG_TAIL:]
+    lines = text[start:].splitlines(True)
+    end = next((k for k in range(1, len(lines))
+                if lines[k].strip() and not lines[k][0].isspace()), None)
+    if end is None:
+        return text[-PD_LOG_TAIL:]
+    return (lines[0] + "".join(ln for ln in lines[1:end] if PD_SCRIPT in ln)
+            + lines[end])[-PD_LOG_TAIL:]
 
 
 def _pd_free_kernel_memory():
