@@ -373,3 +373,19 @@ def test_an_exception_followed_by_a_long_native_crash_dump_is_still_what_the_log
     short = "step 0\nstep 1\n"
     path.write_text(short)
     assert lab5._pd_read_log(path) == short
+
+
+def test_a_warm_compilation_cache_does_not_change_what_a_script_without_gloo_is_told(
+        monkeypatch, tmp_path):
+    """JAX's cache key leaves out the CPU collectives: a script without gloo that loaded the
+    lab recipe's cached executables aborted (signal 6) instead of raising. The processes run
+    without the kernel's cache."""
+    for name, value in {"JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}.items():
+        monkeypatch.setenv(name, value)
+    recipe = lab5.probe("q9_multi_process", {"train_script": corpus_script("correct", "lab_recipe")})
+    assert recipe["fresh"]["returncodes"] == [0, 0]
+    ev = lab5.probe("q9_multi_process",
+                    {"train_script": corpus_script("wrong", "no_cpu_collectives")})
+    assert "needs the gloo collectives to compute across processes" in verdict_message(ev)

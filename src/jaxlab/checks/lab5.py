@@ -1447,7 +1447,13 @@ def _pd_free_port():
 def _pd_env():
     """The kernel's environment for the processes: CPU devices only, no device count forced
     from outside (the script sets its own), output unbuffered."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FORCE_COLOR")}
+    # and no persistent compilation cache: its key leaves out the CPU collectives, so a script
+    # without gloo loaded an executable compiled with gloo (the warm-up's, the solution's) and
+    # both processes aborted (signal 6, no message) where they raise "Multiprocess computations
+    # aren't implemented" without the cache (measured 2026-11-26, JAX 0.10.2)
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "XLA_FLAGS", "FORCE_COLOR", "JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE")
+        and not k.startswith("JAX_PERSISTENT_CACHE_")}
     # plain tracebacks: Python 3.13 colours them where a kernel's environment asks for colour
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHON_COLORS="0", NO_COLOR="1")
     # XLA's CPU collective threads starve without it on a core or two: 300 unblocked steps of a
