@@ -49,6 +49,11 @@ WELL_FORMED_WRONG = {
                      next(a["code"] for a in yaml.safe_load(
                          (ROOT / "tests/answers/lab5-scaling/q9_multi_process.yaml").read_text()
                      )["wrong"] if a["name"] == "every_process_saves")),
+    # the plain scan: right numbers, every residual stored
+    "lab6-memory": ("q1_remat_scan", {"q1_remat_scan"},
+                    next(a["code"] for a in yaml.safe_load(
+                        (ROOT / "tests/answers/lab6-memory/q1_remat_scan.yaml").read_text()
+                    )["wrong"] if a["name"] == "no_checkpoint")),
 }
 SAMPLES_LAB = "lab3-parallelism"
 SAMPLES = {  # file -> (question, correct or wrong, corpus answer)

@@ -1,0 +1,196 @@
+"""Lab 6's checks: what the answer corpus cannot show.
+
+The corpus (tests/answers/lab6-memory) grades student-like answers through the real zip; this
+file checks the checks' own machinery: how a traced program is read, that the sharded products
+the verdict compiles are the notebook's, that the cost rules read off the compiled program are
+the table's, that the fresh draws of Parts B-D keep float rounding well inside the tolerances
+and hit every case they must, and that the Adam variants the messages name are really apart.
+"""
+
+import ast
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from labs import release_paths
+from jaxlab.checks import form, lab6
+
+RNG = np.random.default_rng(20261125)
+
+
+# --------------------------------------------------------------------------- reading programs
+def test_program_reader_counts_scan_steps_nesting_and_what_made_a_named_value():
+    def loss(params, x):
+        @jax.checkpoint
+        def body(h, W):
+            z = checkpoint_name(jnp.einsum("bd,df->bf", h, W), "hidden")  # a dot inside a jit
+            return jnp.tanh(z), None
+
+        return jnp.sum(lax.scan(body, x, params)[0])
+
+    program = lab6._program(jax.make_jaxpr(loss)(jnp.ones((5, 4, 4)), jnp.ones((3, 4))))
+    steps = program["steps"]
+    scan = next(i for i, s in enumerate(steps) if s["prim"] == "scan")
+    remat = next(i for i, s in enumerate(steps) if s["prim"] in lab6.REMAT)
+    named = next(s for s in steps if s["prim"] == "name")
+    assert steps[scan]["length"] == 5 and steps[scan]["nested"][0] <= remat < \
+        steps[scan]["nested"][1]
+    assert named["name"] == "hidden" and named["made_by"] == ["dot_general"]
+    assert named["times"] == 5 and named["out"] == [[3, 4]]
+    assert lab6._remat_scan("loss", program, 5)  # the remat inside the scan is found
+    with pytest.raises(AssertionError, match="does not loop over its 7 layers"):
+        lab6._remat_scan("loss", program, 7)
+
+
+def test_residuals_are_read_from_print_saved_residuals():
+    def loss(W, x):
+        return jnp.sum(jnp.tanh(x @ W))
+
+    rows = lab6._residuals(loss, jnp.ones((4, 6)), jnp.ones((3, 4)))["residuals"]
+    assert {"dtype": "f32", "shape": [3, 6], "source": rows[-1]["source"]} in rows
+    assert any(r["source"].startswith("from the argument") for r in rows)
+
+
+# --------------------------------------------------------------------------- Part D's programs
+def _function_source(tree, name):
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    return ast.unparse(node.body[-1])  # the dict of programs it returns
+
+
+def test_the_verdict_compiles_the_notebooks_case_programs():
+    notebook = "\n".join(c.source for c in __import__("nbformat").read(
+        release_paths("lab6-memory")["master"], as_version=4).cells if c.cell_type == "code"
+        and "def case_programs" in c.source)
+    checks = open(lab6.__file__).read()
+    assert _function_source(ast.parse(notebook), "case_programs") == \
+        _function_source(ast.parse(checks), "_case_programs")
+
+
+@pytest.mark.parametrize("I, J, K, n", lab6.COST_CASES)
+def test_the_tables_rules_match_the_compiled_collectives(I, J, K, n):
+    expected = {1: ("none", 0), 2: ("all-gather", (n - 1) / n * 4 * J * K),
+                3: ("all-reduce", 2 * (n - 1) / n * 4 * I * K),
+                4: ("reduce-scatter", (n - 1) / n * 4 * I * K)}
+    for case, (kind, sent) in expected.items():
+        flops, collectives = lab6._compiled_case(case, I, J, K, n)
+        assert math.isclose(flops, 2 * I * J * K / n, rel_tol=lab6.FLOPS_RTOL)
+        found = collectives[0] if collectives else ("none", [])
+        assert found[0] == kind and len(collectives) <= 1
+        assert math.isclose(lab6._collective_bytes(*found, n), sent)
+
+
+# --------------------------------------------------------------------------- fresh draws
+def test_roofline_draws_cover_every_bound_and_batch_case_away_from_ties():
+    def time_fn(flops, hbm, comm, chip):
+        return lab6._roofline(flops, hbm, comm, chip)[:2]
+
+    bounds, batches = set(), []
+    for _ in range(30):
+        ev = lab6._probe_roofline({"roofline_time": time_fn,
+                                   "critical_batch": lambda D, F, c: lab6._critical(D, F, c)[0]})
+        lab6.verdict("q9_roofline", ev)
+        bounds |= {out["items"][1]["value"] for *_, out in ev["fresh"]["time"]}
+        assert any(comm == 0 for _, _, comm, _, _ in ev["fresh"]["time"])
+        for D, F, chip, _ in ev["fresh"]["batch"]:
+            batch, exact = lab6._critical(D, F, chip)
+            batches.append(batch)
+            assert exact is None or abs(exact - round(exact)) >= lab6.TIE_MARGIN * exact
+    assert bounds == set(lab6.BOUNDS)
+    assert None in batches and 1 in batches and max(b or 0 for b in batches) > 100
+    assert [b is None for b in batches[:len(lab6.BATCH_KINDS)]] == [
+        kind == "never" for kind in lab6.BATCH_KINDS]
+
+
+def _sharded_adam_in_float32(W, batches):
+    """The ZeRO step as the devices compute it: 8 partial gradients summed in float32."""
+    f32 = np.float32
+    W = W.astype(f32)
+    m, v = np.zeros_like(W), np.zeros_like(W)
+    for t, (x, y) in enumerate(batches, start=1):
+        partial_grads = []
+        for xs, ys in zip(np.split(x, 8), np.split(y, 8)):
+            pred = np.tanh(xs @ W)
+            partial_grads.append(xs.T @ (f32(2) * (pred - ys) / f32(len(xs)) * (1 - pred ** 2)))
+        g = (np.sum(partial_grads, axis=0) / f32(8)).astype(f32)
+        m = (f32(lab6.B1) * m + f32(1 - lab6.B1) * g).astype(f32)
+        v = (f32(lab6.B2) * v + f32(1 - lab6.B2) * g * g).astype(f32)
+        W = (W - f32(lab6.LR) * (m / f32(1 - lab6.B1 ** t))
+             / (np.sqrt(v / f32(1 - lab6.B2 ** t)) + f32(lab6.EPS))).astype(f32)
+    return W, m, v
+
+
+def test_zero_draws_keep_float32_rounding_well_inside_the_tolerances():
+    worst = [0.0, 0.0, 0.0]
+    for _ in range(150):
+        for d_in, d_out, batch in ((8, 3, 8), (40, 11, 24)):
+            W, batches = lab6._fresh_zero(RNG, d_in, d_out, batch)
+            reference, smallest = lab6._zero_reference(W, batches)
+            assert smallest > lab6.ZERO_GRAD_MARGIN
+            found = _sharded_adam_in_float32(W, batches)
+            for i, (f, r, atol) in enumerate(zip(found, reference, (
+                    lab6.ZERO_ATOL, lab6.ZERO_MOMENT_ATOL, lab6.ZERO_MOMENT_ATOL))):
+                worst[i] = max(worst[i], float(np.max(np.abs(f - r) / (atol + lab6.ZERO_RTOL
+                                                                       * np.abs(r)))))
+    assert max(worst) < 0.1, worst  # at most a tenth of the tolerance
+
+
+def test_adam_variants_named_in_messages_are_far_from_adam_on_the_fresh_draws():
+    for large_eps in (False, True):
+        hyper = lab6._hyper(RNG, large_eps=large_eps)
+        param = RNG.uniform(-0.1, 0.1, 6)
+        grad = lab6._gradient_draw(RNG, 6)
+        right = lab6._adam(param, grad, 0 * param, 0 * param, 1, **hyper)[0]
+        for variant, _ in lab6.ADAM_VARIANTS:
+            if "eps_inside" in variant and not large_eps:
+                continue  # eps of 1e-8 inside or outside the root: the same numbers
+            wrong = lab6._adam(param, grad, 0 * param, 0 * param, 1, **hyper, **variant)[0]
+            assert not np.allclose(wrong, right, rtol=lab6.ADAM_RTOL, atol=lab6.ADAM_ATOL)
+
+
+def test_float32_attention_stays_well_inside_the_tolerances_of_both_kinds_of_draws():
+    @jax.jit
+    def attention(q, k, v):
+        s = jnp.where(jnp.tri(q.shape[0], dtype=bool), q @ k.T / jnp.sqrt(q.shape[1]), -jnp.inf)
+        return jax.nn.softmax(s, axis=-1) @ v
+
+    worst = {False: 0.0, True: 0.0}
+    for S, d in [(40, 40), (40, 3)] * 20:  # the largest sizes drawn: rounding grows with them
+        for large in (False, True):
+            q, k, v = lab6._attention_draw(RNG, S, d, large=large)
+            if large:
+                top = np.max(np.abs(q.astype(np.float64) @ k.T)) / np.sqrt(d)
+                assert math.isclose(top, lab6.ATTENTION_LARGE, rel_tol=1e-3)
+            rtol, atol = (lab6.LARGE_RTOL, lab6.LARGE_ATOL) if large else (lab6.RTOL, lab6.ATOL)
+            gap = np.abs(np.asarray(attention(q, k, v), np.float64)
+                         - lab6._attention_reference(q, k, v))
+            worst[large] = max(worst[large], float(np.max(
+                gap / (atol + rtol * np.abs(lab6._attention_reference(q, k, v))))))
+    assert max(worst.values()) < 0.2, worst
+
+
+# --------------------------------------------------------------------------- messages
+def test_ring_check_names_a_ring_that_shifts_by_two():
+    mesh = lab6._mesh(lab6.RING_AXIS)
+    two = [(j, (j + 2) % 8) for j in range(8)]
+    assert lab6._is_ring([(j, (j + 1) % 8) for j in range(8)])
+    assert lab6._is_ring([(j, (j - 1) % 8) for j in range(8)])
+    assert not lab6._is_ring(two) and not lab6._is_ring([(j, j + 1) for j in range(7)])
+    fn = jax.shard_map(lambda q, k, v: lax.ppermute(k, "seq", two) + q + v, mesh=mesh,
+                       in_specs=P("seq"), out_specs=P("seq"))
+    program = lab6._program(jax.make_jaxpr(fn)(*[jnp.ones((24, 5))] * 3))
+    moves = [s for s in program["steps"] if s["prim"] == "ppermute"]
+    assert moves[0]["perm"] == [list(p) for p in two]
+
+
+def test_q8_verdict_names_the_compiled_collective_for_a_made_up_kind():
+    ev = {"matmul_costs": form.evidence(print),
+          "fresh": [{"case": 3, "I": 16, "J": 512, "K": 24, "n": 8,
+                     "result": form.evidence((2 * 16 * 512 * 24 / 8, 0.0, "psum"))}]}
+    with pytest.raises(AssertionError, match="runs 'all-reduce'"):
+        lab6.verdict("q8_matmul_costs", ev)
