@@ -79,7 +79,7 @@ def test_answer_leaves_the_other_questions_as_declared(answer, graded):
 EXPECTATION = re.compile(
     r"expected|should|not defined yet|is empty|has no entry|asks you|put them on the same|"
     r"each device holds|is held by|is spread over|comes out as|takes about|rules out|instead|"
-    r"average them with|add them up", re.I)
+    r"average them with|add them up|must be", re.I)
 INTERNAL = re.compile(r"Traceback|File \"|jaxlab_lab\d|_fail\(|\bev\[|\bsev\[|line \d+ of jaxlab")
 
 
