@@ -128,6 +128,26 @@ class Question:
     probe_first: bool = False
 
 
+def free_kernel_memory():
+    """Give back the kernel's compiled programs (JAX compiles them again when they are used) and
+    the C library's free blocks. Measured on Lab 6's solution: the kernel's anonymous memory went
+    from 431 to 208 MiB (without ``malloc_trim``, clearing alone freed nothing the system saw),
+    and without it each probe's programs piled up to 673 MiB, past Gradescope's 768 MB with the
+    grader beside it."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    try:  # glibc only
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def question(names, verdict, probe=evidence_of, probe_first=False):
     return Question(names=tuple(names.split()), verdict=verdict, probe=probe,
                     probe_first=probe_first)

@@ -1572,20 +1572,34 @@ def _q9(ev):
 
 
 # =========================================================================== questions
+def _freed(probe):
+    """``probe``, run after the kernel gives back what it compiled so far: each probe compiles
+    a few dozen programs, and kept they piled up from 431 to 673 MiB in the solution's kernel,
+    which at Gradescope's 768 MB left the container thrashing until the grader's deadline."""
+
+    @functools.wraps(probe)
+    def run(values):
+        form.free_kernel_memory()
+        return probe(values)
+
+    return run
+
+
 QUESTIONS = {
     # Part A
-    "q1_remat_scan": form.question("remat_loss", _q1, _probe_remat),
-    "q2_remat_policy": form.question("policy_loss", _q2, _probe_policy),
+    "q1_remat_scan": form.question("remat_loss", _q1, _freed(_probe_remat)),
+    "q2_remat_policy": form.question("policy_loss", _q2, _freed(_probe_policy)),
     # Part B
-    "q3_adam_reference": form.question("adam_update", _q3, _probe_adam),
-    "q4_zero_sharded_adam": form.question("zero_init zero_step adam_update", _q4, _probe_zero),
+    "q3_adam_reference": form.question("adam_update", _q3, _freed(_probe_adam)),
+    "q4_zero_sharded_adam": form.question("zero_init zero_step adam_update", _q4,
+                                          _freed(_probe_zero)),
     # Part C
-    "q5_attention_reference": form.question("attention", _q5, _probe_attention),
-    "q6_online_softmax": form.question("blocked_attention", _q6, _probe_blocked),
-    "q7_ring_attention": form.question("ring_attention", _q7, _probe_ring),
+    "q5_attention_reference": form.question("attention", _q5, _freed(_probe_attention)),
+    "q6_online_softmax": form.question("blocked_attention", _q6, _freed(_probe_blocked)),
+    "q7_ring_attention": form.question("ring_attention", _q7, _freed(_probe_ring)),
     # Part D
-    "q8_matmul_costs": form.question("matmul_costs", _q8, _probe_costs),
-    "q9_roofline": form.question("roofline_time critical_batch", _q9, _probe_roofline),
+    "q8_matmul_costs": form.question("matmul_costs", _q8, _freed(_probe_costs)),
+    "q9_roofline": form.question("roofline_time critical_batch", _q9, _freed(_probe_roofline)),
 }
 probe, verdict, check = form.entry_points(QUESTIONS)
 JAXLAB_CHECKS = 1  # declares the probe/verdict contract `jaxlab grade` relies on
