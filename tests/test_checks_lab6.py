@@ -192,5 +192,5 @@ def test_q8_verdict_names_the_compiled_collective_for_a_made_up_kind():
     ev = {"matmul_costs": form.evidence(print),
           "fresh": [{"case": 3, "I": 16, "J": 512, "K": 24, "n": 8,
                      "result": form.evidence((2 * 16 * 512 * 24 / 8, 0.0, "psum"))}]}
-    with pytest.raises(AssertionError, match="runs 'all-reduce'"):
+    with pytest.raises(AssertionError, match="expected 'all-reduce'"):
         lab6.verdict("q8_matmul_costs", ev)

@@ -1106,9 +1106,10 @@ def _attention_variants(q, k, v):
         return (w / w.sum(-1, keepdims=True)) @ v
 
     causal = np.tril(np.ones((S, S), bool))
-    return ((softmax_out(q @ k.T, causal), "without scaling the scores by 1 / sqrt(d)"),
+    return ((softmax_out(q @ k.T, causal), "without scaling the scores: they should be divided by sqrt(d) "
+             "before the softmax"),
             (softmax_out(q @ k.T / np.sqrt(d), np.ones((S, S), bool)),
-             "without the causal mask: query i must see only keys j <= i"),
+             "without the causal mask: query i should see only keys j <= i"),
             (softmax_out(q @ k.T / np.sqrt(d), np.triu(np.ones((S, S), bool))),
              "with the mask the wrong way round: query i sees keys j >= i; expected j <= i"))
 
@@ -1432,8 +1433,8 @@ def _q8(ev):
         if found_kind != kind:
             names = ", ".join(f'"{k}"' for k in KINDS)
             said = repr(found_kind) if found_kind is not None else form.describe(kind_ev)
-            _fail(f"`{call}` names the collective {said}; the compiled program of case {case} "
-                  f"runs {kind!r} (one of {names}).")
+            _fail(f"`{call}` names the collective {said}; expected {kind!r}, the one the "
+                  f"compiled program of case {case} runs (the names are {names}).")
         found = _number(f"{call}[0]", flops_ev)
         if not math.isclose(found, flops, rel_tol=FLOPS_RTOL):
             _fail(f"`{call}` says one device does {found:.6g} FLOPs; the compiled program's "
@@ -1444,8 +1445,9 @@ def _q8(ev):
         if not math.isclose(found, expected, rel_tol=1e-9, abs_tol=1e-9):
             what = (f"the compiled program's {kind} has result {_shapes_words([shape])}"
                     if kind != "none" else "the compiled program runs no collective")
-            _fail(f"`{call}` says one device sends {found:.6g} bytes; {what}, so by the rules "
-                  f"of the table one device sends {expected:.6g} bytes.")
+            _fail(f"`{call}` says one device sends {found:.6g} bytes; expected "
+                  f"{expected:.6g}: {what}, and the table's rule for it gives that many bytes "
+                  "per device.")
 
 
 # ---- q9: rooflines
