@@ -9,9 +9,11 @@ and hit every case they must, and that the Adam variants the messages name are r
 
 import ast
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
+import nbformat
 import numpy as np
 import pytest
 from jax import lax
@@ -194,3 +196,17 @@ def test_q8_verdict_names_the_compiled_collective_for_a_made_up_kind():
                      "result": form.evidence((2 * 16 * 512 * 24 / 8, 0.0, "psum"))}]}
     with pytest.raises(AssertionError, match="expected 'all-reduce'"):
         lab6.verdict("q8_matmul_costs", ev)
+
+
+def test_q8_verdict_compiles_the_notebooks_own_case_programs():
+    """The verdict reads FLOPs and collectives from the lab's programs, which it builds itself (the
+    checks cannot import the notebook): its ``_case_programs`` must return what the master's
+    ``case_programs`` returns, program for program."""
+    def returned(tree, name):
+        fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+        return ast.dump(next(n for n in ast.walk(fn) if isinstance(n, ast.Return)).value)
+
+    nb = nbformat.read(release_paths("lab6-memory")["master"], as_version=4)
+    cell = next(c.source for c in nb.cells if "def case_programs(" in c.source)
+    checks = ast.parse(pathlib.Path(lab6.__file__).read_text())
+    assert returned(ast.parse(cell), "case_programs") == returned(checks, "_case_programs")

@@ -25,3 +25,11 @@ def test_setup_cell_asks_for_a_restart_when_jax_already_started_with_one_device(
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: JAX is already running with 1 CPU device(s)")
     assert "Restart the kernel" in last
+
+
+def test_every_lab_has_the_same_setup_cell():
+    """The setup cell is written out in each master (otter assign takes each notebook whole, so
+    there is nothing to import it from); this keeps the copies from drifting apart."""
+    first, *others = LABS
+    for lab in others:
+        assert setup_cell(lab) == setup_cell(first), f"{lab}'s setup cell differs from {first}'s"
