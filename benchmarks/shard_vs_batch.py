@@ -51,7 +51,7 @@ AUTOGRADER = ROOT / "autograder" / f"{LAB}-autograder.zip"
 SOLUTION = ROOT / "solutions" / LAB / f"{LAB}.ipynb"
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "grade"))
-from answers_harness import Release, load_answers  # noqa: E402
+from jaxlab.corpus import Release, load_answers  # noqa: E402
 from slurmcluster import Cluster  # noqa: E402
 
 

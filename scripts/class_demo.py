@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAB = "lab3-parallelism"
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "grade"))
-from answers_harness import Release, load_answers  # noqa: E402  (shared with the tests)
+from jaxlab.corpus import Release, load_answers  # noqa: E402  (shared with the tests)
 
 HANG = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    " \
        "time.sleep(1)"

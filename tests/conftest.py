@@ -69,7 +69,7 @@ def lab3():
 @pytest.fixture(scope="session")
 def graded(tmp_path_factory):
     """grade(answer) -> Verdict from the answer harness, one kernel per lab, each answer once."""
-    import answers_harness
+    from jaxlab import corpus
 
     cache, harnesses = {}, {}
 
@@ -77,7 +77,7 @@ def graded(tmp_path_factory):
         if answer.id not in cache:
             lab = answer.lab
             if lab not in harnesses:
-                harnesses[lab] = answers_harness.LabHarness(
+                harnesses[lab] = corpus.LabHarness(
                     lab, tmp_path_factory.mktemp(lab), tmp_path_factory.mktemp(f"{lab}-jax-cache"))
             cache[answer.id] = harnesses[lab].grade(answer)
         return cache[answer.id]
@@ -101,9 +101,9 @@ def pytest_terminal_summary(terminalreporter, config):
     """Print the answer corpus's confusion table and keep a copy under pytest's tmp dir."""
     if not CORPUS:
         return
-    import answers_harness
+    from jaxlab import corpus
 
-    lines = answers_harness.confusion_table(CORPUS)
+    lines = corpus.confusion_table(CORPUS)
     terminalreporter.section("answer corpus: confusion table")
     for line in lines:
         terminalreporter.write_line(line)

@@ -160,10 +160,10 @@ VARIES = re.compile(r"\bany\b", re.I)
 
 @functools.lru_cache(maxsize=None)
 def _corpus(lab):
-    import answers_harness
+    from jaxlab import corpus
 
     folder = corpus_folder(lab)
-    return tuple(answers_harness.load_answers(folder.name)) if folder else ()
+    return tuple(corpus.load_answers(folder.name)) if folder else ()
 
 
 def corpus_answers(row):

@@ -1,6 +1,6 @@
 """The answer corpus (tests/answers/) reaches its expected verdicts under the shipped tests.
 
-Every answer is graded by ``answers_harness`` with the autograder zip's own test files in a
+Every answer is graded by ``jaxlab.corpus`` with the autograder zip's own test files in a
 kernel holding the solution run of the student notebook; ``test_grading_paths`` checks
 a sample against the full ``otter run`` path.
 """
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-import answers_harness as harness
+from jaxlab import corpus as harness
 
 pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make test-quick
 

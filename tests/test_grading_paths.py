@@ -28,7 +28,7 @@ import pandas as pd
 import pytest
 import yaml
 
-import answers_harness as harness
+from jaxlab import corpus as harness
 import colab
 from labs import LABS, ROOT, release_paths
 from jaxlab import release

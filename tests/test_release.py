@@ -9,7 +9,7 @@ import zipfile
 import nbformat
 import pytest
 
-from answers_harness import python_of
+from jaxlab.corpus import python_of
 from labs import LABS, ROOT, release_paths
 from jaxlab import release
 

@@ -9,6 +9,8 @@ from click.core import ParameterSource
 from .grade.engine.sandbox import Mode
 from .grade.run.batch import grade as grade_api
 from .grade.run.slurm import slurm as slurm_api
+from .mutants import mutants as mutants_api
+from .mutants.operators import OPERATORS
 
 SANDBOX_MODES = [m.value for m in Mode]
 # the CLI shows and passes the API's own defaults, which live in one place
@@ -19,6 +21,7 @@ def _defaults(api):
 
 GRADE_DEFAULTS = _defaults(grade_api)
 SLURM_DEFAULTS = _defaults(slurm_api)
+MUTANTS_DEFAULTS = _defaults(mutants_api)
 
 
 @click.group()
@@ -241,3 +244,29 @@ def slurm(paths, output_dir, tasks, cpus_per_task, time, partition, mem_per_cpu,
             submit=submit))
     except SlurmError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.argument("lab")
+@click.option("--question", "questions", multiple=True, metavar="QUESTION",
+              help="Only this graded question (repeatable; default: every one).")
+@click.option("--operator", "operators", multiple=True, type=click.Choice(list(OPERATORS)),
+              help="Only this mutation operator (repeatable; default: every one).")
+@click.option("--report", type=click.Path(dir_okay=False), default=MUTANTS_DEFAULTS["report"],
+              help="Write the markdown report here (default for a whole lab: "
+                   "docs/mutants/LAB.md).")
+@click.option("--root", type=click.Path(exists=True, file_okay=False),
+              default=MUTANTS_DEFAULTS["root"], show_default=True,
+              help="Repository root holding the releases, tests/answers/ and tests/mutants/.")
+def mutants(lab, questions, operators, report, root):
+    """Mutation analysis of LAB's hidden checks: seed small faults into the solution's answers,
+    grade each with the shipped checks, and report every mutant that keeps full marks.
+
+    Exits non-zero while a mutant survives that is not decided equivalent in
+    tests/mutants/LAB.yaml (a gap in the checks, or a survivor waiting for a decision)."""
+    try:
+        analysis = mutants_api(lab, root=root, questions=list(questions) or None,
+                               operators=list(operators) or None, report=report)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(0 if not analysis.of("gap") and not analysis.of("undecided") else 1)

@@ -10,6 +10,8 @@ Nothing here knows an answer: hidden checks live in the ``labN`` modules, which 
 never receive.
 """
 
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -483,9 +485,29 @@ def fail(message):
     raise AssertionError(message)
 
 
+_SEEDED = None  # (seed, counter) while `seeded` runs
+
+
 def fresh_rng():
     """A generator for fresh inputs: other draws on every check, so no answer can be memorised."""
+    if _SEEDED is not None:
+        seed, counter = _SEEDED
+        return np.random.default_rng([seed, next(counter)])
     return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+@contextlib.contextmanager
+def seeded(seed):
+    """Inside the block, the fresh inputs are drawn from ``seed``: the n-th ``fresh_rng()`` of
+    a probe then draws the same numbers for every answer, so ``jaxlab mutants`` can compare
+    what a mutant of the solution does with what the solution does on the same inputs. (A
+    student's code could as well fix NumPy's or the OS's randomness; the grader never seeds.)"""
+    global _SEEDED
+    _SEEDED = (int(seed), itertools.count())
+    try:
+        yield
+    finally:
+        _SEEDED = None
 
 
 def check_devices(count):

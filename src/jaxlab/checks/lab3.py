@@ -67,7 +67,7 @@ def _call(fn, *args):
 
 
 def _fresh_layer_inputs(rows=FRESH_ROWS):
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    rng = form.fresh_rng()
     return (rng.normal(size=(rows, 10)).astype(np.float32),
             rng.normal(size=(10, 2)).astype(np.float32),
             rng.normal(size=(2,)).astype(np.float32))

@@ -1540,7 +1540,7 @@ def _pd_free_kernel_memory():
 def _pd_rerun(script):
     """Run ``script`` as the task says, on new data, under the recording boot script."""
     _pd_free_kernel_memory()
-    rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+    rng = _rng()
     x, y, init = _pd_fresh_data(rng)
     folder = tempfile.mkdtemp(prefix="jaxlab-q9-")
     try:

@@ -1,4 +1,5 @@
-"""Grade the answer corpus (tests/answers/<lab>/<question>.yaml) the way otter grades a notebook.
+"""Grade answers to a lab (the corpus in tests/answers/<lab>/<question>.yaml, or the mutation
+analysis's mutants) the way otter grades a notebook.
 
 One kernel per lab runs the solution notebook once, as otter's grading run does (same cells,
 same globals, the autograder zip's support files beside it, PJRT_NPROC=16 in the kernel's
@@ -23,8 +24,10 @@ answer at cell k then replays what a notebook with that answer would do:
   solution run left, whose verdicts were taken once after that run);
 * finally every name the replay touched gets its value from the end of the solution run.
 
-``test_grading_paths`` grades a sample of answers through the full ``otter run`` path
-and checks the verdicts agree.
+``tests/test_grading_paths.py`` grades a sample of answers through the full ``otter run`` path
+and checks the verdicts agree. ``jaxlab mutants`` grades its mutants here too, and asks the
+kernel for a question's evidence (its probe on inputs drawn from a given seed) to compare what
+a mutant does with what the solution does.
 """
 
 import ast
@@ -41,8 +44,9 @@ import yaml
 
 from jaxlab.grade.output.tally import in_notebook_order
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-ANSWERS = ROOT / "tests" / "answers"
+# the repository this package is installed from (`make` installs it editable): assignments/,
+# the releases and tests/answers/ are there
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT = "### Your code here"
 MARK = "@@corpus@@"
 
@@ -67,20 +71,24 @@ class Answer:
         return f"{PROMPT}\n{self.code.rstrip()}\n"
 
 
-def labs():
+def answers_folder(root=ROOT):
+    return pathlib.Path(root) / "tests" / "answers"
+
+
+def labs(root=ROOT):
     """Labs with an answer corpus and a release to grade it against."""
-    found = []
-    for folder in sorted(p for p in ANSWERS.iterdir() if p.is_dir()) if ANSWERS.exists() else []:
+    found, answers = [], answers_folder(root)
+    for folder in sorted(p for p in answers.iterdir() if p.is_dir()) if answers.exists() else []:
         lab = folder.name
-        if (ROOT / "student" / lab / f"{lab}.ipynb").exists() and \
-                (ROOT / "autograder" / f"{lab}-autograder.zip").exists():
+        if (pathlib.Path(root) / "student" / lab / f"{lab}.ipynb").exists() and \
+                (pathlib.Path(root) / "autograder" / f"{lab}-autograder.zip").exists():
             found.append(lab)
     return found
 
 
-def load_answers(lab):
+def load_answers(lab, root=ROOT):
     answers = []
-    for path in sorted((ANSWERS / lab).glob("*.yaml")):
+    for path in sorted((answers_folder(root) / lab).glob("*.yaml")):
         data = yaml.safe_load(path.read_text()) or {}
         unknown = set(data) - {"correct", "wrong"}
         if unknown:
@@ -170,11 +178,12 @@ class Cell:
 class Release:
     """The student notebook, solution notebook and autograder zip of one lab."""
 
-    def __init__(self, lab):
+    def __init__(self, lab, root=ROOT):
+        root = pathlib.Path(root)
         self.lab = lab
-        self.student = ROOT / "student" / lab / f"{lab}.ipynb"
-        self.solution = ROOT / "solutions" / lab / f"{lab}.ipynb"
-        self.autograder = ROOT / "autograder" / f"{lab}-autograder.zip"
+        self.student = root / "student" / lab / f"{lab}.ipynb"
+        self.solution = root / "solutions" / lab / f"{lab}.ipynb"
+        self.autograder = root / "autograder" / f"{lab}-autograder.zip"
         self.solution_nb = nbformat.read(self.solution, as_version=4)
         self.student_nb = nbformat.read(self.student, as_version=4)
         self.cells = []  # code cells the kernel runs, in order
@@ -188,6 +197,7 @@ class Release:
             if not _is_otter_cell(cell.source):
                 self.cells.append(Cell(i, cell.source, *reads_writes(cell.source)))
         self.graded_names = {}  # question -> names its test functions read from the notebook
+        self.checks_module = None  # the lab's hidden checks as the tests import them
         with zipfile.ZipFile(self.autograder) as zf:
             for n in sorted(zf.namelist()):
                 if n.startswith("tests/") and n.endswith(".py"):
@@ -195,7 +205,17 @@ class Release:
                     self.graded_names[pathlib.Path(n).stem] = {
                         a.arg for f in tree.body if isinstance(f, ast.FunctionDef)
                         for a in f.args.args}
+                    for node in ast.walk(tree):
+                        if isinstance(node, ast.Import):
+                            self.checks_module = next(
+                                (a.name for a in node.names if a.name.startswith("jaxlab_")
+                                 and a.name != "jaxlab_form"), self.checks_module)
         self.questions = sorted(self.graded_names)
+
+    def answer_source(self, question):
+        """The solution's answer cell for ``question``, without its ``### Your code here`` line."""
+        source = self.solution_nb.cells[self.answer_cell[question]].source
+        return source[len(PROMPT):].lstrip("\n") if source.startswith(PROMPT) else source
 
     def blank(self, question):
         """The student notebook's answer cell for ``question`` (what a blank answer submits)."""
@@ -260,9 +280,18 @@ def __corpus_helpers():
     def tests(paths):
         print("@@corpus@@" + json.dumps([test(p) for p in paths]))
 
-    return snap, put, tests
+    def evidence(module, question, names, seed, path):
+        import importlib
+        import jaxlab_form
+        checks = importlib.import_module(module)
+        values = {n: globals().get(n) for n in names}  # None where missing, as otter passes it
+        with jaxlab_form.seeded(seed):
+            jaxlab_form.dump_evidence(checks.probe(question, values), path)
+        print("@@corpus@@" + json.dumps(path))
 
-__corpus_snap, __corpus_put, __corpus_tests = __corpus_helpers()
+    return snap, put, tests, evidence
+
+__corpus_snap, __corpus_put, __corpus_tests, __corpus_evidence = __corpus_helpers()
 del __corpus_helpers
 '''
 
@@ -321,6 +350,7 @@ class Verdict:
     answer: Answer
     results: dict  # question -> otter results of its test file after the replay
     cell_errors: list  # (cell index, error) of the answer cell and re-run cells
+    evidence: dict | None = None  # the question's probe on seeded inputs, when asked for
 
     @property
     def own(self):
@@ -340,8 +370,8 @@ class Verdict:
 class LabHarness:
     """One kernel holding the solution run of ``lab``; grades answers by partial replay."""
 
-    def __init__(self, lab, workdir, cache_dir=None):
-        self.release = Release(lab)
+    def __init__(self, lab, workdir, cache_dir=None, root=ROOT):
+        self.release = Release(lab, root)
         self.workdir = self.release.stage(workdir)
         self.kernel = Kernel(self.workdir, cache_dir)
         self.kernel.run(KERNEL_HELPERS)
@@ -362,28 +392,68 @@ class LabHarness:
     def test_paths(self, questions):
         return [str(self.workdir / "tests" / f"{q}.py") for q in questions]
 
-    def run_tests(self, questions):
-        out, err = self.kernel.run(f"__corpus_tests({self.test_paths(questions)!r})")
+    def _marked(self, out, err, what):
         line = [ln for ln in out.splitlines() if ln.startswith(MARK)]
         if err or not line:
-            raise KernelError(f"running the tests failed: {err}\n{out[-2000:]}")
-        return {r["name"]: r for r in json.loads(line[-1][len(MARK):])}
+            raise KernelError(f"{what} failed: {err}\n{out[-2000:]}")
+        return json.loads(line[-1][len(MARK):])
 
-    def grade(self, answer):
+    def run_tests(self, questions, timeout=300):
+        out, err = self.kernel.run(f"__corpus_tests({self.test_paths(questions)!r})", timeout)
+        return {r["name"]: r for r in self._marked(out, err, "running the tests")}
+
+    def evidence(self, question, seed, timeout=300):
+        """What the lab's probe records for ``question`` from the kernel's current values, on
+        fresh inputs drawn from ``seed`` (the same seed draws the same inputs), transported as
+        the grader receives it."""
+        from jaxlab.checks import form
+
+        rel = self.release
+        path = self.workdir / f".evidence-{question}"
+        out, err = self.kernel.run(
+            f"__corpus_evidence({rel.checks_module!r}, {question!r}, "
+            f"{sorted(rel.graded_names[question])!r}, {seed!r}, {str(path)!r})", timeout)
+        self._marked(out, err, f"probing {question}")
+        return form.load_evidence(path)
+
+    def plan(self, k, source, only=None):
+        """The cells to run for an answer ``source`` in cell ``k``: it, then every later cell
+        that reads a name it (or the solution's cell) assigns, transitively; with ``only`` (a
+        set of questions), just those later cells the graded names of ``only`` depend on."""
+        reads, writes = reads_writes(source)
+        solution_cell = next(c for c in self.release.cells if c.index == k)
+        written = set(writes) | solution_cell.writes
+        later = []
+        for cell in self.release.cells:
+            if cell.index > k and cell.reads & written:
+                later.append(cell)
+                written |= cell.writes
+        if only is not None:  # a backward slice from the names those questions read
+            needed = set().union(*(self.release.graded_names[q] for q in only))
+            kept = []
+            for cell in reversed(later):
+                if cell.writes & needed:
+                    kept.append(cell)
+                    needed |= cell.reads
+            later = kept[::-1]
+        return [(k, source, reads, set(writes) | solution_cell.writes)] + [
+            (c.index, c.source, c.reads, c.writes) for c in later]
+
+    def grade(self, answer, *, only=None, evidence_seed=None, timeout=300):
+        """The verdicts after replaying the notebook with ``answer`` in its cell.
+
+        ``only``: grade just these questions (and replay just what they read); by default the
+        answer's question and every question that reads a name the replay assigned.
+        ``evidence_seed``: also record the answer's question's evidence on inputs drawn from
+        it. ``timeout``: seconds for each cell and each test run (past it the kernel is
+        interrupted and KernelError raised)."""
         rel = self.release
         k = rel.answer_cell[answer.question]
         source = answer.cell_source()
-        reads, writes = reads_writes(source)
-        solution_cell = next(c for c in rel.cells if c.index == k)
-        written = set(writes) | solution_cell.writes
-        touched = set()
-        plan = [(k, source, reads, set(written))]  # a copy: `written` grows below
-        for cell in rel.cells:
-            if cell.index > k and cell.reads & written:
-                plan.append((cell.index, cell.source, cell.reads, cell.writes))
-                written |= cell.writes
+        writes = reads_writes(source)[1]
+        plan = self.plan(k, source, only)
         rerun = {index for index, *_ in plan}
-        errors, done = [], set()
+        touched, errors, done, evidence = set(), [], set(), None
         try:
             for index, src, cell_reads, cell_writes in plan:
                 # names no replayed cell has assigned yet hold what the original run had here
@@ -391,7 +461,7 @@ class LabHarness:
                                - done)
                 touched |= set(stale)
                 self.kernel.run(f"__corpus_put({stale!r}, {index})")
-                _, err = self.kernel.run(src)
+                _, err = self.kernel.run(src, timeout)
                 if err:
                     errors.append((index, err))
                 done |= cell_writes | (set(writes) if index == k else set())
@@ -405,11 +475,14 @@ class LabHarness:
             # a question whose graded names all still hold the solution's objects keeps the
             # verdict it had on the solution; every other question is graded again
             questions = [q for q in rel.questions
-                         if q == answer.question or rel.graded_names[q] & done]
-            results = {**self.solution_results, **self.run_tests(questions)}
+                         if q == answer.question or rel.graded_names[q] & done] \
+                if only is None else sorted(only)
+            results = {**self.solution_results, **self.run_tests(questions, timeout)}
+            if evidence_seed is not None:
+                evidence = self.evidence(answer.question, evidence_seed, timeout)
         finally:
             self.kernel.run(f"__corpus_put({sorted(touched)!r}, 'final')")
-        return Verdict(answer, results, errors)
+        return Verdict(answer, results, errors, evidence)
 
     def close(self):
         self.kernel.shutdown()

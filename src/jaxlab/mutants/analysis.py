@@ -1,0 +1,384 @@
+"""Mutation analysis of a lab's hidden checks: does every small fault in the solution lose
+the points?
+
+For each graded question, the solution's answer cell is mutated (``operators``) and each
+mutant is graded exactly as a corpus answer is: in the corpus harness's kernel holding the
+solution run, replaying what the mutant changes, with the shipped autograder's own test file.
+Then:
+
+* **killed**: the question does not get full marks (a mutant that hangs past its limit, or
+  kills the kernel, is stopped and counts as killed: grading would give it zero too);
+* **gap** (survived, behaviour changed): full marks, yet the probe records something other for
+  the mutant than for the solution on the same seeded fresh inputs (values beyond
+  ``EVIDENCE_RTOL``/``EVIDENCE_ATOL``, shapes, dtypes, shardings, errors): the checks saw the
+  difference and let it pass. Always a gap;
+* **undecided** (survived, same evidence): an equivalent program, a method the task forbids that
+  the checks do not read, or a difference the probe's inputs never reach. A person decides on
+  the task's text; the decision and its sentence go to ``tests/mutants/<lab>.yaml``;
+* **equivalent**: a survivor with the same evidence that the decisions file calls equivalent.
+
+Traced programs (``jax.make_jaxpr``, saved residuals) are method, not behaviour: a survivor whose
+program alone differs is undecided, and the difference is shown to help the person decide.
+"""
+
+import dataclasses
+import hashlib
+import math
+import pathlib
+import re
+import tempfile
+import time
+
+import numpy as np
+import yaml
+
+from .. import corpus
+from . import operators as ops
+
+# what counts as the same value: well above float32 noise of another evaluation order,
+# well below any tolerance a check uses (1e-4 and up)
+EVIDENCE_RTOL = 1e-5
+EVIDENCE_ATOL = 1e-6
+# evidence of how a function computes, not of what it computes
+METHOD_KEYS = frozenset({"program", "jaxpr", "jaxpr_error", "trace", "traces", "residuals",
+                         "saved", "hlo"})
+# a mutant's limit per cell and per test run: this many times what the solution's checks of the
+# question took, and at least MIN_TIMEOUT seconds
+TIMEOUT_FACTOR = 5
+MIN_TIMEOUT = 60
+STATUSES = ("killed", "equivalent", "gap", "undecided")
+
+
+@dataclasses.dataclass
+class Outcome:
+    question: str
+    mutant: ops.Mutant
+    status: str  # one of STATUSES
+    seconds: float
+    detail: str = ""  # killed: the first failure; gap/undecided: the differences found
+    decision: dict | None = None
+
+
+@dataclasses.dataclass
+class Analysis:
+    lab: str
+    outcomes: list
+    seconds: float
+    solution_seconds: float  # the harness's solution run
+    stale_decisions: list  # decisions that name no surviving mutant (to remove or re-key)
+
+    def of(self, status):
+        return [o for o in self.outcomes if o.status == status]
+
+    def score(self, outcomes=None):
+        outcomes = self.outcomes if outcomes is None else outcomes
+        counted = [o for o in outcomes if o.status != "equivalent"]
+        killed = sum(o.status == "killed" for o in counted)
+        return killed / len(counted) if counted else 1.0
+
+
+# --------------------------------------------------------------------------- decisions
+def decisions_path(root, lab):
+    return pathlib.Path(root) / "tests" / "mutants" / f"{lab}.yaml"
+
+
+@dataclasses.dataclass
+class Decisions:
+    """What a person decided on a lab's task text (``tests/mutants/<lab>.yaml``), per question:
+
+    * ``equivalent``: surviving mutants (by key) the text allows, each with its sentence;
+    * ``free``: evidence the text leaves to the student (a path pattern such as
+      ``timing_runs/*/calls``, with its sentence): a mutant that differs from the solution only
+      there, and survives, is equivalent by that decision."""
+
+    equivalent: dict  # (question, key) -> entry
+    free: dict  # question -> [entry]
+
+    def free_paths(self, question):
+        return [tuple(e["evidence"].split("/")) for e in self.free.get(question, ())]
+
+
+ENTRY_FIELDS = {"equivalent": {"key", "change", "text", "why"},
+                "free": {"evidence", "text", "why"}}
+
+
+def load_decisions(path):
+    """The decisions file's content (absent: nothing decided yet)."""
+    path = pathlib.Path(path)
+    data = (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    decisions = Decisions({}, {})
+    for question, sections in data.items():
+        unknown = set(sections or {}) - set(ENTRY_FIELDS)
+        if unknown:
+            raise ValueError(f"{path}: {question}: unknown sections {sorted(unknown)} (a "
+                             f"survivor the text does not allow must be killed by a stronger "
+                             f"check, not decided; sections: {sorted(ENTRY_FIELDS)})")
+        for section, fields in ENTRY_FIELDS.items():
+            for entry in (sections or {}).get(section) or []:
+                missing = fields - set(entry)
+                if missing:
+                    raise ValueError(f"{path}: {question} {section} "
+                                     f"{entry.get('key', entry.get('evidence'))}: missing "
+                                     f"{sorted(missing)}")
+                if section == "equivalent":
+                    decisions.equivalent[question, entry["key"]] = entry
+                else:
+                    decisions.free.setdefault(question, []).append(entry)
+    return decisions
+
+
+def _matches(path, pattern):
+    return len(path) >= len(pattern) and all(
+        p == "*" or p == q for p, q in zip(pattern, path))
+
+
+# --------------------------------------------------------------------------- evidence
+# names that differ between two runs of the same program: object addresses, and the file name
+# IPython gives each execution of a cell
+VOLATILE_TEXT = re.compile(r"0x[0-9a-fA-F]{6,}|/[\w/.-]*ipykernel_\d+/\d+\.py")
+
+
+def canonical(ev):
+    """Evidence with what is not behaviour made equal: a tuple and a list of the same items
+    (both travel to the grader as lists), a spec with or without trailing ``None`` entries (the
+    same sharding; also as a PartitionSpec value), a sharding's repr (made of those fields) and the Python type of a function
+    (jitted or not: whether the task asks for jax.jit is read from the traced program)."""
+    if isinstance(ev, dict):
+        ev = {k: canonical(v) for k, v in ev.items()}
+        if ev.get("kind") in ("tuple", "list") and "items" in ev:
+            ev["kind"] = "sequence"
+        if ev.get("kind") == "callable":  # a function, jitted (PjitFunction) or not
+            ev.pop("type", None)
+        if "spec" in ev and "repr" in ev and isinstance(ev["spec"], list):
+            ev.pop("repr")
+            while ev["spec"] and ev["spec"][-1] is None:
+                ev["spec"] = ev["spec"][:-1]
+        if ev.get("kind") == "spec" and isinstance(ev.get("entries"), list):
+            while ev["entries"] and ev["entries"][-1] is None:
+                ev["entries"] = ev["entries"][:-1]
+        return ev
+    if isinstance(ev, (list, tuple)):
+        return [canonical(v) for v in ev]
+    return ev
+
+
+def _leaves(ev, path=(), method=False):
+    """(path, is method evidence, leaf) of an evidence tree."""
+    if isinstance(ev, dict):
+        for key in sorted(ev):
+            yield from _leaves(ev[key], path + (str(key),), method or key in METHOD_KEYS)
+    elif isinstance(ev, (list, tuple)):
+        yield path + ("#len",), method, len(ev)
+        for i, item in enumerate(ev):
+            yield from _leaves(item, path + (str(i),), method)
+    else:
+        yield path, method, ev
+
+
+def _same(a, b):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.dtype.kind in "fc":
+            return bool(np.allclose(a, b, rtol=EVIDENCE_RTOL, atol=EVIDENCE_ATOL,
+                                    equal_nan=True))
+        return bool(np.array_equal(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or math.isclose(
+            a, b, rel_tol=EVIDENCE_RTOL, abs_tol=EVIDENCE_ATOL)
+    if isinstance(a, str) and isinstance(b, str):
+        return VOLATILE_TEXT.sub("_", a) == VOLATILE_TEXT.sub("_", b)
+    return type(a) is type(b) and a == b
+
+
+def _diff(reference, other, volatile=frozenset(), free=()):
+    """(path, is method evidence, value in reference, value in other) where they differ,
+    leaving out the ``volatile`` paths and those matching a ``free`` pattern."""
+    ref = {p: (m, v) for p, m, v in _leaves(canonical(reference))}
+    new = {p: (m, v) for p, m, v in _leaves(canonical(other))}
+    for path in sorted(set(ref) | set(new)):
+        if any(path[:i] in volatile for i in range(1, len(path) + 1)) or any(
+                _matches(path, pattern) for pattern in free):
+            continue
+        (m_a, a), (m_b, b) = ref.get(path, (None, "(absent)")), new.get(path, (None, "(absent)"))
+        if path in ref and path in new and _same(a, b):
+            continue
+        yield path, m_a if path in ref else m_b, a, b
+
+
+def differences(reference, other, volatile=frozenset(), free=()):
+    """(behaviour, method): where ``other`` differs from ``reference``, in words, leaving out
+    the ``volatile`` paths (those two runs of the solution disagree on) and the ``free`` ones
+    (what the text leaves to the student)."""
+    behaviour, method = [], []
+    for path, is_method, a, b in _diff(reference, other, volatile, free):
+        (method if is_method else behaviour).append(f"{'/'.join(path)}: {_short(a)} -> {_short(b)}")
+    return behaviour, method
+
+
+def volatile_paths(first, second):
+    """Paths two probes of the same program on the same inputs disagree on (timings, ids)."""
+    return frozenset(path for path, *_ in _diff(first, second))
+
+
+def _short(value, width=60):
+    if isinstance(value, np.ndarray):
+        text = f"array{list(value.shape)} {value.dtype}"
+        if value.size and value.dtype.kind in "fciub":
+            text += f" [{np.ravel(value)[:3].tolist()}...]"
+        return text
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+# --------------------------------------------------------------------------- running
+def question_seed(lab, question):
+    """A fixed seed per question: the solution and its mutants see the same inputs."""
+    return int.from_bytes(hashlib.sha1(f"{lab}/{question}".encode()).digest()[:4], "little")
+
+
+class _Runner:
+    """A corpus harness that starts again when a mutant leaves its kernel dead or stuck."""
+
+    def __init__(self, lab, root, harness=None):
+        self.lab, self.root, self.own = lab, root, harness is None
+        self.folder = tempfile.TemporaryDirectory(prefix=f"jaxlab-mutants-{lab}-")
+        self.restarts = 0
+        self.harness = harness or self._start()
+
+    def _start(self):
+        n = self.restarts
+        base = pathlib.Path(self.folder.name)
+        return corpus.LabHarness(self.lab, base / f"work{n}", base / "jax-cache", self.root)
+
+    def alive(self):
+        try:
+            return self.harness.kernel.km.is_alive() and \
+                self.harness.kernel.run("1", timeout=30)[1] is None
+        except corpus.KernelError:
+            return False
+
+    def restart(self):
+        try:
+            self.harness.close()
+        except Exception:  # a dead kernel cannot be shut down cleanly; it is gone either way
+            pass
+        self.restarts += 1
+        self.harness = self._start()
+        self.own = True
+
+    def close(self):
+        if self.own:
+            self.harness.close()
+        self.folder.cleanup()
+
+
+def _answer(lab, question, mutant):
+    return corpus.Answer(lab=lab, question=question, name=mutant.key, why=mutant.change,
+                         code=mutant.code, correct=False)
+
+
+def _first_failure(verdict):
+    messages = verdict.failure_messages()
+    text = messages[0].strip().splitlines()[-1] if messages else "no points"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _grade(runner, answer, **kwargs):
+    """The verdict, or None when the mutant hung or killed the kernel (then the kernel is
+    started again)."""
+    try:
+        verdict = runner.harness.grade(answer, **kwargs)
+    except corpus.KernelError:
+        verdict = None
+    if verdict is None or not runner.alive():
+        if runner.alive():  # stopped in time: the names it touched are back
+            return None
+        runner.restart()
+        return None
+    return verdict
+
+
+def analyse(lab, *, root=corpus.ROOT, questions=None, operators=None, decisions=None,
+            harness=None, progress=None):
+    """Grade every mutant of every graded question of ``lab`` (or of ``questions``) with the
+    lab's shipped checks and classify it. ``decisions``: the decisions file (default
+    ``tests/mutants/<lab>.yaml``). ``harness``: a ``corpus.LabHarness`` already holding the
+    solution run (the test suite's), else one is started. ``progress(outcome, done, total)``
+    is called after each mutant."""
+    start = time.monotonic()
+    decided = load_decisions(decisions or decisions_path(root, lab))
+    runner = _Runner(lab, root, harness)
+    solution_seconds = time.monotonic() - start
+    release = runner.harness.release
+    questions = list(release.questions if questions is None else questions)
+    unknown = set(questions) - set(release.questions)
+    if unknown:
+        runner.close()
+        raise ValueError(f"{lab} has no graded question {sorted(unknown)}; its questions: "
+                         f"{', '.join(release.questions)}")
+    plan = [(q, m) for q in questions for m in ops.mutants(release.answer_source(q), operators)]
+    outcomes, seen = [], set()
+    try:
+        limits, reference, volatile = {}, {}, {}
+        for question in questions:
+            # the solution's own cell, run twice: what the two runs disagree on (a timing, a
+            # value drawn afresh in the cell) tells nothing about a mutant
+            solution = corpus.Answer(lab=lab, question=question, name="solution", why="",
+                                     code=release.answer_source(question), correct=True)
+            t = time.monotonic()
+            runner.harness.grade(solution, only={question})
+            limits[question] = max(MIN_TIMEOUT, TIMEOUT_FACTOR * (time.monotonic() - t))
+            first, second = (runner.harness.grade(
+                solution, only={question}, evidence_seed=question_seed(lab, question)).evidence
+                for _ in range(2))
+            reference[question] = first
+            volatile[question] = volatile_paths(first, second)
+        for question, mutant in plan:
+            t = time.monotonic()
+            answer = _answer(lab, question, mutant)
+            verdict = _grade(runner, answer, only={question}, timeout=limits[question])
+            if verdict is None:
+                outcome = Outcome(question, mutant, "killed", 0.0,
+                                  f"stopped after {limits[question]:.0f} s or killed the kernel")
+            elif not verdict.full_marks:
+                outcome = Outcome(question, mutant, "killed", 0.0, _first_failure(verdict))
+            else:
+                again = _grade(runner, answer, only={question}, timeout=limits[question],
+                               evidence_seed=question_seed(lab, question))
+                if again is None or not again.full_marks:
+                    # full marks once, not on other fresh inputs: a boundary the draws reach
+                    # only sometimes; the checks must reach it every time
+                    outcome = Outcome(question, mutant, "gap", 0.0,
+                                      "full marks on one draw of fresh inputs, not on another")
+                else:
+                    free = decided.free_paths(question)
+                    behaviour, method = differences(reference[question], again.evidence,
+                                                    volatile[question], free)
+                    decision = decided.equivalent.get((question, mutant.key))
+                    if decision is None and not behaviour and not method:
+                        # what differs, if anything, is evidence the text leaves free
+                        decision = next((e for e in decided.free.get(question, ())
+                                         for path, *_ in _diff(reference[question],
+                                                               again.evidence, volatile[question])
+                                         if _matches(path, tuple(e["evidence"].split("/")))),
+                                        None)
+                    seen.add((question, mutant.key))
+                    if behaviour:
+                        outcome = Outcome(question, mutant, "gap", 0.0,
+                                          "; ".join(behaviour[:4]), decision)
+                    else:
+                        outcome = Outcome(question, mutant,
+                                          "equivalent" if decision else "undecided", 0.0,
+                                          "; ".join(method[:3]) or "the same evidence",
+                                          decision)
+            outcome.seconds = time.monotonic() - t
+            outcomes.append(outcome)
+            if progress:
+                progress(outcome, len(outcomes), len(plan))
+    finally:
+        runner.close()
+    stale = [d for (q, key), d in sorted(decided.equivalent.items())
+             if q in questions and (q, key) not in seen]
+    return Analysis(lab, outcomes, time.monotonic() - start, solution_seconds, stale)
