@@ -99,10 +99,24 @@ def test_roofline_draws_cover_every_bound_and_batch_case_away_from_ties():
         lab6.verdict("q9_roofline", ev)
         bounds |= {out["items"][1]["value"] for *_, out in ev["fresh"]["time"]}
         assert any(comm == 0 for _, _, comm, _, _ in ev["fresh"]["time"])
-        for D, F, chip, _ in ev["fresh"]["batch"]:
+        drawn, exact_cases = (ev["fresh"]["batch"][:len(lab6.BATCH_KINDS)],
+                              ev["fresh"]["batch"][len(lab6.BATCH_KINDS):])
+        for D, F, chip, _ in drawn:
             batch, exact = lab6._critical(D, F, chip)
             batches.append(batch)
             assert exact is None or abs(exact - round(exact)) >= lab6.TIE_MARGIN * exact
+        # the boundaries themselves, exactly: a knee on an integer (compute time == memory
+        # time there, in float arithmetic too), a zero denominator, a denominator below 1
+        for kind, (D, F, chip, _) in zip(lab6.EXACT_KINDS, exact_cases, strict=True):
+            batch, exact = lab6._critical(D, F, chip)
+            peak, bandwidth = chip["flop_per_s"], chip["hbm_bytes_per_s"]
+            if kind == "knee":
+                assert exact == batch > 1
+                assert 2 * batch * D * F / peak == 2 * (batch * D + D * F + batch * F) / bandwidth
+            elif kind == "zero":
+                assert batch is None and D * F * bandwidth - peak * (D + F) == 0
+            else:
+                assert batch == 1 and 0 < D * F * bandwidth - peak * (D + F) <= 1
     assert bounds == set(lab6.BOUNDS)
     assert None in batches and 1 in batches and max(b or 0 for b in batches) > 100
     assert [b is None for b in batches[:len(lab6.BATCH_KINDS)]] == [

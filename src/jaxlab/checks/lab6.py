@@ -296,8 +296,10 @@ def _loss_and_grads(name, case, ref_loss, ref_grads, leaf_names, words):
                     f"the gradient of {words}")
 
 
-def _remat_scan(name, program, n_layers):
-    """The loop over the layers is a lax.scan of length L with jax.checkpoint on its body."""
+def _remat_scan(name, program, n_layers, unit="layer"):
+    """The loop over the layers (the ``unit``s) is a lax.scan of length L with jax.checkpoint
+    on its body."""
+    units = f"{unit}s"
     steps = program["steps"]
     scans = [i for i, s in enumerate(steps) if s["prim"] == "scan" and s["length"] == n_layers]
     remats = [i for i, s in enumerate(steps) if s["prim"] in REMAT]
@@ -305,9 +307,9 @@ def _remat_scan(name, program, n_layers):
         what = (f"{sum(s['prim'] in ('dot_general',) for s in steps)} matrix products one after "
                 "the other" if not any(s["prim"] in ("scan", "while") for s in steps) else
                 "a loop of another length")
-        _fail(f"`{name}` does not loop over its {n_layers} layers with lax.scan (traced for "
-              f"{n_layers} layers, it runs {what}); expected a lax.scan over the stacked "
-              "layers, whose body is one layer.")
+        _fail(f"`{name}` does not loop over its {n_layers} {units} with lax.scan (traced for "
+              f"{n_layers} {units}, it runs {what}); expected a lax.scan over the stacked "
+              f"{units}, whose body is one {unit}.")
     inside = [i for i in remats for j in scans if steps[j]["nested"][0] <= i
               < steps[j]["nested"][1]]
     if inside:
@@ -316,10 +318,10 @@ def _remat_scan(name, program, n_layers):
               < steps[i]["nested"][1]]
     if around:
         _fail(f"`{name}` puts jax.checkpoint around the whole lax.scan; expected it on the "
-              "scan's body (one layer), so that each layer's input is kept and the backward "
-              "pass recomputes one layer at a time, not the whole network at once.")
+              f"scan's body (one {unit}), so that each {unit}'s input is kept and the backward "
+              f"pass recomputes one {unit} at a time, not all the {units} at once.")
     _fail(f"`{name}` runs no jax.checkpoint inside its lax.scan; expected the scan's body (one "
-          "layer) wrapped in jax.checkpoint.")
+          f"{unit}) wrapped in jax.checkpoint.")
 
 
 def _stacked_residuals(name, rec, n_layers):
@@ -524,6 +526,48 @@ def _blocks_loss_and_grad(params, x, y):
     return loss, (g_in, g_out)
 
 
+def _policies(closed):
+    """The policy object of every jax.checkpoint in a traced program (None: no policy given)."""
+    found = []
+    for eqn in closed.eqns:
+        if eqn.primitive.name in REMAT:
+            found.append(eqn.params.get("policy"))
+        for sub in form._sub_jaxprs(eqn.params):
+            found += _policies(sub)
+    return found
+
+
+# What a policy saves, read from its effect on another function than the student's block: one
+# value named POLICY_NAME (shape (3, 5)), one named "other" (3, 7), an unnamed matrix product
+# whose result the backward pass needs (3, 11). A policy that saves exactly the values named
+# POLICY_NAME saves the first alone; dots_saveable, which happens to save the same residuals in
+# the lab's block, saves all three products here, save_any_names_but_these(...) the "other" too.
+POLICY_TRIAL_SHAPES = ((3, 4), (4, 5), (5, 7), (7, 11))
+
+
+def _policy_trial(policy):
+    """The non-argument residuals (shape, source) of the trial function under ``policy``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    def trial(x, W1, W2, W3):
+        a = checkpoint_name(x @ W1, POLICY_NAME)
+        b = checkpoint_name(jnp.sin(a) @ W2, "other")
+        return jnp.sum(jnp.sin(jnp.sin(b @ W3)))
+
+    try:
+        checkpointed = jax.checkpoint(trial, policy=policy)
+    except Exception as exc:
+        return {"residuals_error": _error(exc)}
+    args = [jnp.ones(shape, jnp.float32) for shape in POLICY_TRIAL_SHAPES]
+    rec = _residuals(checkpointed, *args)
+    if "residuals" in rec:
+        rec["residuals"] = [r for r in rec["residuals"]
+                            if not r["source"].startswith("from the argument")]
+    return {"policy": repr(policy), **rec}
+
+
 def _probe_policy(values):
     fn = values.get("policy_loss")
     ev = form.evidence_of({"policy_loss": fn})
@@ -539,6 +583,13 @@ def _probe_policy(values):
     ev["fresh"] = cases
     params, x, y = cases[-1]["params"], cases[-1]["x"], cases[-1]["y"]
     ev["trace"] = {**_trace(fn, tuple(params), x, y), **_residuals(fn, tuple(params), x, y)}
+    try:
+        import jax
+
+        closed = _quiet(jax.make_jaxpr(fn), tuple(params), x, y)
+        ev["policies"] = [_policy_trial(policy) for policy in _policies(closed.jaxpr)]
+    except Exception as exc:
+        ev["policies_error"] = _error(exc)
     return ev
 
 
@@ -551,7 +602,7 @@ def _q2(ev):
     last = ev["fresh"][-1]
     L, (B, D), F = len(last["params"][0]), last["x"].shape, last["params"][0].shape[-1]
     program = _program_of("policy_loss", ev["trace"])
-    _remat_scan("policy_loss", program, L)
+    _remat_scan("policy_loss", program, L, "block")
     named = [s for s in program["steps"] if s["prim"] == "name" and s["name"] == POLICY_NAME]
     if not named:
         names = sorted({s["name"] for s in program["steps"] if s["prim"] == "name"})
@@ -577,6 +628,24 @@ def _q2(ev):
               f"each block's input f32[{L},{B},{D}] and its {POLICY_NAME!r} product "
               f"f32[{L},{B},{F}] (a policy that saves only the values named {POLICY_NAME!r}, "
               "jax.checkpoint_policies.save_only_these_names).")
+    # the same residuals in this block can come from another policy: read the policy itself
+    if "policies_error" in ev:
+        _fail(f"`policy_loss` could not be traced to read its policy: {ev['policies_error']}")
+    for trial in ev.get("policies", ()):
+        if "residuals_error" in trial:
+            _fail(f"the policy of `policy_loss`'s jax.checkpoint ({trial['policy']}) could not "
+                  f"be tried on another function: {trial['residuals_error']}")
+        saved = trial["residuals"]
+        kept_by_name = [r for r in saved if r["source"].startswith(f"named {POLICY_NAME!r}")]
+        if len(saved) != 1 or len(kept_by_name) != 1:
+            found = "; ".join(f"{_shapes_words([r['shape']])} ({r['source'].split(' from ')[0]})"
+                              for r in saved) or "nothing"
+            _fail(f"the policy of `policy_loss`'s jax.checkpoint ({trial['policy']}), tried on "
+                  f"another function with a value named {POLICY_NAME!r}, one named 'other' and "
+                  f"an unnamed matrix product, saves: {found}; expected exactly the value "
+                  f"named {POLICY_NAME!r}. The task asks for a policy that saves exactly the "
+                  f"values named {POLICY_NAME!r} (jax.checkpoint_policies.save_only_these_names), "
+                  "not one that happens to save the same values in this block.")
 
 
 # =========================================================================== Part B: Adam
@@ -709,8 +778,11 @@ def _probe_adam(values):
 def _adam_result(call, record, inputs, t, hyper, words):
     """The student's (param, m, v) after one step equal to the float64 step."""
     if "error" in record:
-        _fail(f"`{call}` raised {record['error']}; expected one Adam step, as the task "
-              "describes.")
+        traced = (" Under jax.jit, t is a traced integer: compute with it through jnp (for "
+                  "example b1 ** t), never through Python's float(), int() or if."
+                  if "jit" in words else "")
+        _fail(f"`{call}` {words} raised {record['error']}; expected one Adam step, as the task "
+              f"describes.{traced}")
     out = _arrays(call, record["output"], 3, "the tuple (new_param, new_m, new_v)")
     param, grad, m, v = inputs
     shape = tuple(np.shape(param))
@@ -1000,7 +1072,9 @@ def _q4(ev):
             _fail(f"`zero_step` adds up an array of shape {tuple(sums[0]['in'][0])} over the "
                   "devices with psum (an all-reduce, as in data parallelism); expected one "
                   "psum_scatter of the gradient, so that each device receives only its rows.")
-        if len(scatters) != 1 or scatters[0]["in"][0] != [d_in, d_out] or \
+        # the gradient's d_in x d_out numbers, scattered once: tiled, or untiled on the
+        # gradient reshaped to (8, d_in / 8, d_out), which moves the same bytes
+        if len(scatters) != 1 or math.prod(scatters[0]["in"][0]) != d_in * d_out or \
                 scatters[0]["times"] != 1:
             _fail(f"`zero_step` runs {len(scatters)} psum_scatter(s) "
                   f"({', '.join(str(tuple(s['in'][0])) for s in scatters) or 'none'}) {words}; "
@@ -1036,16 +1110,25 @@ def _q4(ev):
 ATTENTION_LARGE = 200.0
 LARGE_RTOL = 1e-2
 LARGE_ATOL = 1e-3
+# "Rising" fresh inputs: every query points the same way and later keys score higher, up to
+# RISING_TOP (~RISING_TOP / S more per key), so the keys a query may not see score far above
+# those it sees. A maximum taken over those masked keys, before the mask, is then more than 103
+# above every score the first queries see, exp underflows to 0 for all of them, and their
+# weights are 0/0; with scores up to ATTENTION_LARGE alone that happened only on some draws.
+# Float32 rounding of scores of 1e3 is ~6e-5, well inside LARGE_RTOL.
+RISING_TOP = 1000.0
+RISING = "rising"
+OVERFLOW = 88.7  # exp of more overflows float32
 
 
 class Attention(NamedTuple):
     S: int
     d: int
-    large: bool  # scores up to ATTENTION_LARGE
+    large: object  # False, True (scores up to ATTENTION_LARGE) or RISING
 
 
 ATTENTION_CASES = (Attention(S=29, d=13, large=False), Attention(S=1, d=6, large=False),
-                   Attention(S=13, d=29, large=True))
+                   Attention(S=13, d=29, large=True), Attention(S=24, d=8, large=RISING))
 
 
 def _attention_reference(q, k, v):
@@ -1059,14 +1142,22 @@ def _attention_reference(q, k, v):
 
 def _attention_draw(rng, S, d, large=False):
     q, k, v = (rng.normal(size=(S, d)).astype(np.float32) for _ in range(3))
-    if large:  # scale q so that the largest score is ATTENTION_LARGE
+    if large == RISING:  # queries along one direction u, keys along u more and more
+        u = rng.normal(size=d)
+        u /= np.linalg.norm(u)
+        q = (u + 0.05 * rng.normal(size=(S, d))).astype(np.float32)
+        k = (np.arange(1, S + 1)[:, None] / S * u + 0.05 * rng.normal(size=(S, d))).astype(
+            np.float32)
+    if large:  # scale q so that the largest score is ATTENTION_LARGE (or RISING_TOP)
         top = np.max(np.abs(q.astype(np.float64) @ k.T)) / np.sqrt(d)
-        q = (q * (ATTENTION_LARGE / top)).astype(np.float32)
+        q = (q * ((RISING_TOP if large == RISING else ATTENTION_LARGE) / top)).astype(
+            np.float32)
     return q, k, v
 
 
 def _attention_words(S, d, large, block=None):
     return f"for S = {S}, d = {d}" + (f", block_size = {block}" if block else "") + (
+        f", scores rising along the sequence up to {RISING_TOP:g}" if large == RISING else
         f", scores up to {ATTENTION_LARGE:g}" if large else "")
 
 
@@ -1074,7 +1165,41 @@ def _attention_case(fn, q, k, v, words, *args):
     return {"q": q, "k": k, "v": v, "words": words, **_call(fn, q, k, v, *args)}
 
 
-def _attention_result(call, case):
+def _visible_max(q, k):
+    """Each query's largest score over the keys it may see (float64)."""
+    q, k = (np.asarray(a, np.float64) for a in (q, k))
+    S, d = q.shape
+    scores = np.where(np.tril(np.ones((S, S), bool)), q @ k.T / np.sqrt(d), -np.inf)
+    return scores.max(axis=-1)
+
+
+def _non_finite(call, case, bad):
+    """Fail with what makes rows ``bad`` (not finite): exp overflowing past OVERFLOW (some
+    score of the row is above it), or a maximum taken over keys the query may not see (the
+    row's visible scores lie so far below its largest score that exp underflows for all)."""
+    q, k = (np.asarray(a, np.float64) for a in (case["q"], case["k"]))
+    scores = q @ k.T / np.sqrt(q.shape[1])
+    visible = _visible_max(q, k)
+    overflow = scores.max(axis=-1) > OVERFLOW
+    underflow = visible < scores.max(axis=-1) - OVERFLOW
+    first = int(np.argmax(bad))
+    if np.all(overflow[bad]) and not np.all(underflow[bad]):
+        _fail(f"`{call}` {case['words']} returns inf or nan: exp of a score above 88 "
+              "overflows float32; expected a numerically safe softmax that subtracts each "
+              "query's maximum score before exp.")
+    if np.all(underflow[bad]) and not np.all(overflow[bad]):
+        _fail(f"`{call}` {case['words']} returns nan for query {first}, whose largest visible "
+              f"score is {visible[first]:.3g}: the maximum it subtracts before exp is taken over "
+              "keys that query may not see (they score far higher here), so exp underflows to 0 "
+              "for every key it does see and its weights are 0/0. Expected the maximum over the "
+              "keys each query may see: apply the causal mask before taking it.")
+    _fail(f"`{call}` {case['words']} returns inf or nan (first at query {first}); expected a "
+          "numerically safe softmax: subtract from each query's scores their maximum over the "
+          "keys it may see (apply the causal mask before taking it), so that exp neither "
+          "overflows (above 88) nor underflows to 0 for every key the query sees.")
+
+
+def _attention_result(call, case, block=None):
     S, d = case["q"].shape
     if "error" in case:
         _fail(f"`{call}` {case['words']} raised {case['error']}; it should work for any "
@@ -1083,12 +1208,10 @@ def _attention_result(call, case):
     _array_out(f"{call} {case['words']}", out, (S, d))
     found = np.asarray(out["value"], np.float64)
     if case.get("large") and not np.all(np.isfinite(found)):
-        _fail(f"`{call}` {case['words']} returns inf or nan: its scores reach "
-              f"{ATTENTION_LARGE:g} and exp of a score above 88 overflows float32; expected a "
-              "numerically safe softmax that subtracts each row's maximum score before exp.")
+        _non_finite(call, case, ~np.all(np.isfinite(found), axis=-1))
     expected = _attention_reference(case["q"], case["k"], case["v"])
     if not case.get("large") and not np.allclose(found, expected, rtol=RTOL, atol=ATOL):
-        for wrong, why in _attention_variants(case["q"], case["k"], case["v"]):
+        for wrong, why in _attention_variants(case["q"], case["k"], case["v"], block):
             if np.allclose(found, wrong, rtol=RTOL, atol=ATOL):
                 _fail(f"`{call}` {case['words']} computes attention {why}.")
     rtol, atol = (LARGE_RTOL, LARGE_ATOL) if case.get("large") else (RTOL, ATOL)
@@ -1096,7 +1219,9 @@ def _attention_result(call, case):
                       "causal softmax attention (float64 reference)", rtol=rtol, atol=atol)
 
 
-def _attention_variants(q, k, v):
+def _attention_variants(q, k, v, block=None):
+    """(output, what it does) of the common wrong attentions; with ``block``, also the masks
+    made with positions counted within a block of ``block`` keys (or queries)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     S, d = q.shape
 
@@ -1105,13 +1230,26 @@ def _attention_variants(q, k, v):
         w = np.exp(scores - scores.max(-1, keepdims=True))
         return (w / w.sum(-1, keepdims=True)) @ v
 
-    causal = np.tril(np.ones((S, S), bool))
-    return ((softmax_out(q @ k.T, causal), "without scaling the scores: they should be divided by sqrt(d) "
-             "before the softmax"),
-            (softmax_out(q @ k.T / np.sqrt(d), np.ones((S, S), bool)),
-             "without the causal mask: query i should see only keys j <= i"),
-            (softmax_out(q @ k.T / np.sqrt(d), np.triu(np.ones((S, S), bool))),
-             "with the mask the wrong way round: query i sees keys j >= i; expected j <= i"))
+    scaled, position = q @ k.T / np.sqrt(d), np.arange(S)
+    variants = [
+        (softmax_out(q @ k.T, position[:, None] >= position[None, :]),
+         "without scaling the scores: they should be divided by sqrt(d) before the softmax"),
+        (softmax_out(scaled, np.ones((S, S), bool)),
+         "without the causal mask: query i should see only keys j <= i"),
+        (softmax_out(scaled, position[:, None] <= position[None, :]),
+         "with the mask the wrong way round: query i sees keys j >= i; expected j <= i")]
+    if block and block < S:
+        local = position % block
+        variants += [
+            (softmax_out(scaled, position[:, None] >= local[None, :]),
+             f"with a causal mask that counts each key's position within its block of {block} "
+             f"(key j as position j mod {block}); expected the mask to compare positions in "
+             "the whole sequence: query i sees keys j <= i"),
+            (softmax_out(scaled, local[:, None] >= local[None, :]),
+             f"with a causal mask that counts positions within each block of {block} (query i "
+             f"as i mod {block}, key j as j mod {block}); expected the mask to compare "
+             "positions in the whole sequence: query i sees keys j <= i")]
+    return variants
 
 
 def _probe_attention(values):
@@ -1136,13 +1274,16 @@ class Online(NamedTuple):
     S: int
     d: int
     block: int
-    large: bool
+    large: object  # as Attention.large
 
 
-# block sizes from 1 to S; the programs are read at ONLINE_TRACES, whose d (odd) is no block
-# size, so that a block's scores (S, block) and its output (S, d) are told apart
-ONLINE_CASES = (Online(S=36, d=7, block=1, large=False), Online(S=36, d=7, block=9, large=True),
-                Online(S=36, d=7, block=36, large=False), Online(S=20, d=3, block=4, large=False))
+# block sizes from 1 to S, a block of 4 first: there a mask that counts key positions within
+# each block differs from no mask at all (with blocks of 1 they are the same), and the message
+# can say which it is; the programs are read at ONLINE_TRACES, whose d (odd) is no block size,
+# so that a block's scores (S, block) and its output (S, d) are told apart
+ONLINE_CASES = (Online(S=20, d=3, block=4, large=False), Online(S=36, d=7, block=1, large=False),
+                Online(S=36, d=7, block=9, large=True), Online(S=36, d=7, block=36, large=False),
+                Online(S=36, d=7, block=9, large=RISING))
 ONLINE_TRACES = (Online(S=36, d=7, block=9, large=False), Online(S=36, d=7, block=1, large=False))
 
 
@@ -1163,7 +1304,7 @@ def _probe_blocked(values):
 def _q6(ev):
     form.expect_callable("blocked_attention", ev["blocked_attention"])
     for case in ev["fresh"]:
-        _attention_result("blocked_attention(q, k, v, block_size)", case)
+        _attention_result("blocked_attention(q, k, v, block_size)", case, case["block"])
     for trace in ev["traces"]:
         _one_pass(trace)
 
@@ -1201,13 +1342,14 @@ RING_AXIS = "seq"
 class Ring(NamedTuple):
     S: int
     d: int
-    large: bool
+    large: object  # as Attention.large
 
 
-# one position per device, then more; the program is read at RING_TRACES, whose S, its block
+# blocks of 6 positions per device (first: see ONLINE_CASES), one position per device, scores
+# large and rising; the program is read at RING_TRACES, whose S, its block
 # S / 8 and d all differ
-RING_CASES = (Ring(S=8, d=5, large=False), Ring(S=48, d=7, large=False),
-              Ring(S=48, d=7, large=True))
+RING_CASES = (Ring(S=48, d=7, large=False), Ring(S=8, d=5, large=False),
+              Ring(S=48, d=7, large=True), Ring(S=48, d=7, large=RISING))
 RING_TRACES = (Ring(S=40, d=3, large=False),)
 RING_MEMORY = (1024, 16)  # S, d of the memory comparison
 # Compiled temporary memory per device over that of one-device attention, both compiled here:
@@ -1271,7 +1413,7 @@ def _is_ring(perm):
 def _q7(ev):
     form.expect_callable("ring_attention", ev["ring_attention"])
     for case in ev["fresh"]:
-        _attention_result("ring_attention(q, k, v)", case)
+        _attention_result("ring_attention(q, k, v)", case, len(case["q"]) // N_DEVICES)
         _split_over_seq(case)
     trace = ev["trace"]
     S, d = trace["S"], trace["d"]
@@ -1467,6 +1609,28 @@ BATCH_KINDS = ("some",) * 6 + ("one", "never")
 # draws whose two largest times (or whose critical batch) lie this close to a tie are drawn
 # again: float rounding could decide them either way
 TIE_MARGIN = 1e-6
+# ... and the boundaries the text states, reached exactly, with every number a power of two so
+# that any way of writing the comparison (closed form, intensities, the two times, a search)
+# computes the tie without rounding: for a critical intensity c = flop_per_s / hbm_bytes_per_s,
+# the product with D = F = 4c is compute-bound from exactly B = 2c on (D = 2c, F = 4c: from 4c),
+# where its compute time equals its memory time ("at least": a strict comparison answers one
+# more); with D = F = 2c the intensity only tends to c, and no batch size is compute-bound
+# (None: the closed form's denominator is exactly 0); and on a chip of 1/32 FLOP/s and 1/8 B/s
+# of memory, D = F = 1 is compute-bound from B = 1 although the denominator is only 1/16.
+EXACT_KINDS = ("knee", "knee", "zero", "small")
+
+
+def _exact_case(rng, kind):
+    """(D, F, chip) of an EXACT_KINDS case."""
+    if kind == "small":
+        return 1, 1, {"flop_per_s": 2.0 ** -5, "hbm_bytes_per_s": 2.0 ** -3,
+                      "link_bytes_per_s": 2.0 ** -6}
+    c = 2 ** int(rng.integers(4, 10))
+    peak = float(2 ** int(rng.integers(44, 51)))
+    D, F = (2 * c, 2 * c) if kind == "zero" else [(4 * c, 4 * c), (2 * c, 4 * c),
+                                                    (4 * c, 2 * c)][int(rng.integers(3))]
+    return D, F, {"flop_per_s": peak, "hbm_bytes_per_s": peak / c,
+                  "link_bytes_per_s": peak / (16 * c)}
 
 
 def _chip(rng):
@@ -1527,9 +1691,22 @@ def _probe_roofline(values):
                                       abs(exact - round(exact)) >= TIE_MARGIN * exact):
                     break
             cases.append((D, F, chip))
+        cases += [_exact_case(rng, kind) for kind in EXACT_KINDS]
         fresh["batch"] = [[*case, _value_of(batch_fn, *case)] for case in cases]
     ev["fresh"] = fresh
     return ev
+
+
+def _plain_number(call, ev, types, what):
+    """The number a function that takes and returns plain Python numbers returned: a Python
+    ``int`` or ``float`` (a NumPy scalar or a 0-d array is not one)."""
+    value = _number(call, ev, integer=types == ("int",))
+    if ev["kind"] != "number" or ev.get("type") not in types:
+        found = ev.get("type") if ev["kind"] == "number" else form.describe(ev)
+        _fail(f"`{call}` returned a {found} ({value:g}); expected {what}, a plain Python "
+              "number: the task says both functions take and return plain Python numbers "
+              "(convert with float() or int(); a NumPy scalar is not one).")
+    return value
 
 
 def _q9(ev):
@@ -1541,7 +1718,7 @@ def _q9(ev):
             _fail(f"`{call}` raised {out['error']}.")
         if out["kind"] not in ("tuple", "list") or len(out["items"]) != 2:
             _fail(f"`{call}` returned {form.describe(out)}; expected a tuple (seconds, bound).")
-        found = _number(f"{call}[0]", out["items"][0])
+        found = _plain_number(f"{call}[0]", out["items"][0], ("float", "int"), "a float")
         if not math.isclose(found, seconds, rel_tol=1e-9):
             extra = (" That is the sum of the three times; with perfect overlap the step takes "
                      "the largest." if math.isclose(found, sum(times), rel_tol=1e-9) else "")
@@ -1561,16 +1738,23 @@ def _q9(ev):
         words = (f"on a chip of {chip['flop_per_s']:.4g} FLOP/s and {chip['hbm_bytes_per_s']:.4g} "
                  "B/s of memory")
         if batch is None:
+            if out["kind"] == "error":
+                _fail(f"`{call}` raised {out['error']} {words}; expected None: there, even a "
+                      "very large batch's intensity never exceeds the chip's critical intensity "
+                      "(it only approaches it).")
             if out["kind"] != "none":
                 _fail(f"`{call}` returned {form.describe(out)} {words}; expected None: even for "
                       "a very large batch the product's intensity stays below the chip's "
                       "critical intensity.")
             continue
-        found = _number(call, out, integer=True)
+        found = _plain_number(call, out, ("int",), "an int")
         if found != batch:
+            tie = (f" At B = {batch} the two times are exactly equal, and \"at least\" takes "
+                   "that batch size." if exact == batch and found == batch + 1 else "")
             _fail(f"`{call}` is {found:g} {words}; expected {batch}, the smallest batch size "
                   f"(at least 1) whose compute time 2·B·D·F / flop_per_s is at least its memory "
-                  f"time 2·(B·D + D·F + B·F) / hbm_bytes_per_s (the bound is B = {exact:.6g}).")
+                  f"time 2·(B·D + D·F + B·F) / hbm_bytes_per_s (the bound is B = "
+                  f"{exact:.6g}).{tie}")
 
 
 # =========================================================================== questions
