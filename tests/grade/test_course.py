@@ -7,6 +7,7 @@ import io
 import pathlib
 import shutil
 import zipfile
+import zoneinfo
 
 import pandas as pd
 import pytest
@@ -182,9 +183,10 @@ def test_a_deadline_without_time_zone_is_refused_with_how_to_write_one():
     ("2025-03-11 12:00 America/Los_Angeles", 8, "4 days × 10% = 40%"),
     # five started days would be 50%: the cap holds it at 40%
     ("2025-03-12 12:00 America/Los_Angeles", 8, "capped at 40%"),
-    # the cutoff is 6 days after the deadline: at it still late, past it zero
-    ("2025-03-13 23:59 America/Los_Angeles", 8, "capped at 40%"),
-    ("2025-03-14 00:00 America/Los_Angeles", 15, "past the cutoff"),
+    # the cutoff is 6 days (144 real hours) after the deadline: 00:59 on March 14, as the
+    # clocks went forward on the 9th; at it still late, past it zero
+    ("2025-03-14 00:59 America/Los_Angeles", 8, "capped at 40%"),
+    ("2025-03-14 01:00 America/Los_Angeles", 15, "past the cutoff"),
 ])
 def test_late_penalty_per_started_day_with_grace_cap_and_cutoff(submitted, penalty, reason):
     policy = late.Policy(deadline=at(DEADLINE), rate=10, unit="day",
@@ -217,9 +219,10 @@ def test_extensions_move_a_students_deadline_and_cutoff(tmp_path):
     # a group's deadline is its most generous member's
     assert policy.judge(at("2025-03-09 23:00 America/Los_Angeles"), (bo, ANN), 20, 20)[:2] == \
         (0, 20)
-    # the cutoff (one day after each student's own deadline) moved with Ann's extension
-    assert policy.judge(at("2025-03-10 23:58 America/Los_Angeles"), (ANN,), 20, 20)[1] == 18
-    assert policy.judge(at("2025-03-11 00:00 America/Los_Angeles"), (ANN,), 20, 20)[1] == 0
+    # the cutoff (one day after each student's own deadline) moved with Ann's extension, which
+    # ends 48 real hours after the deadline: 00:59 on March 10, the clocks having gone forward
+    assert policy.judge(at("2025-03-11 00:59 America/Los_Angeles"), (ANN,), 20, 20)[1] == 18
+    assert policy.judge(at("2025-03-11 01:00 America/Los_Angeles"), (ANN,), 20, 20)[1] == 0
     restored = late.Policy.from_dict(policy.to_dict())
     assert restored.judge(at("2025-03-10 01:00 America/Los_Angeles"), (bo,), 20, 20) == \
         policy.judge(at("2025-03-10 01:00 America/Los_Angeles"), (bo,), 20, 20)
@@ -232,6 +235,90 @@ def test_an_extension_for_a_student_not_in_the_export_is_refused(tmp_path):
                                              r"'ghost@x.edu' in this export"):
         late.read_extensions(ext, {ANN.key(): ANN})
 
+
+
+# Daylight-saving changes in both semesters and both zones: (zone, a deadline two days before
+# the clocks change, where a 36-hour extension ends on the local clock, real hours between
+# the two on the wall clock). US and EU clocks change on different Sundays.
+CLOCK_CHANGES = [
+    ("America/Los_Angeles", "2025-03-07 23:59", "2025-03-09 12:59 PDT"),  # forward, March 9
+    ("America/Los_Angeles", "2025-10-31 23:59", "2025-11-02 10:59 PST"),  # back, November 2
+    ("Europe/Berlin", "2025-03-28 23:59", "2025-03-30 12:59 CEST"),  # forward, March 30
+    ("Europe/Berlin", "2025-10-24 23:59", "2025-10-26 10:59 CET"),  # back, October 26
+]
+UTC = datetime.timezone.utc
+
+
+def extended(zone, deadline, extension, tmp_path, **policy):
+    ext = tmp_path / "extensions.csv"
+    ext.write_text(f"email,extension\n{ANN.email},{extension}\n")
+    return late.Policy(deadline=at(f"{deadline} {zone}"), rate=10, unit="day",
+                       extensions=late.read_extensions(ext, {ANN.key(): ANN}), **policy)
+
+
+@pytest.mark.parametrize("zone,deadline,ends", CLOCK_CHANGES)
+def test_an_extension_in_hours_or_minutes_is_elapsed_time_across_a_clock_change(
+        zone, deadline, ends, tmp_path):
+    for extension, hours in (("36h", 36), ("2190m", 36.5)):
+        policy = extended(zone, deadline, extension, tmp_path)
+        due = policy.deadline_for((ANN,))
+        assert due.astimezone(UTC) - policy.deadline.astimezone(UTC) == \
+            datetime.timedelta(hours=hours)
+        if extension == "36h":
+            assert late._show(due) == ends
+        # 30 minutes inside the real extension: not charged; a minute past its end: one day
+        for before, charged in ((datetime.timedelta(minutes=30), 0),
+                                (-datetime.timedelta(minutes=1), 2)):
+            when = (due.astimezone(UTC) - before).astimezone(zoneinfo.ZoneInfo(zone))
+            penalty, final, words = policy.judge(when, (ANN,), possible=20, raw=20)
+            assert penalty == charged, (extension, when, words)
+            # the same instant as the export writes it, with its UTC offset
+            exported = datetime.datetime.fromisoformat(when.isoformat())
+            assert policy.judge(exported, (ANN,), possible=20, raw=20) == \
+                (penalty, final, words)
+        assert late.Policy.from_dict(policy.to_dict()).deadline_for((ANN,)) == due
+
+
+def test_the_issues_spring_deadline_with_36h_ends_at_1259_on_march_9(tmp_path):
+    policy = extended("America/Los_Angeles", "2025-03-07 23:59", "36h", tmp_path)
+    for submitted in ("2025-03-09 12:29 America/Los_Angeles", "2025-03-09T12:29:00-07:00"):
+        assert policy.judge(at(submitted), (ANN,), 20, 20) == \
+            (0, 20, "on time (extended deadline 2025-03-09 12:59 PDT)")
+    assert policy.judge(at("2025-03-09 13:00 America/Los_Angeles"), (ANN,), 20, 20)[:2] == \
+        (2, 18)
+
+
+@pytest.mark.parametrize("zone,deadline,ends", CLOCK_CHANGES)
+def test_a_day_is_24_real_hours_as_in_canvas_late_policy(zone, deadline, ends, tmp_path):
+    """A 2d extension, a 2d cutoff and each day of a per-day penalty are 48 and 24 real hours
+    (Canvas: ceil(seconds late / 86400)), wherever the wall clock is then."""
+    tz = zoneinfo.ZoneInfo(zone)
+    start = at(f"{deadline} {zone}").astimezone(UTC)
+
+    def local(hours):
+        return (start + datetime.timedelta(hours=hours)).astimezone(tz)
+
+    policy = extended(zone, deadline, "2d", tmp_path)
+    assert policy.deadline_for((ANN,)).astimezone(UTC) == start + datetime.timedelta(days=2)
+    plain = late.Policy(deadline=at(f"{deadline} {zone}"), rate=10, unit="day",
+                        cutoff=datetime.timedelta(days=2))
+    # 47.5 real hours late: two started days, not past the two-day cutoff, on either clock
+    assert plain.judge(local(47.5), (ANN,), 20, 20)[:2] == (4, 16)
+    assert plain.judge(local(48.5), (ANN,), 20, 20)[:2] == (20, 0)
+    assert plain.judge(local(24.5), (ANN,), 20, 20)[:2] == (4, 16)
+    assert plain.judge(local(23.5), (ANN,), 20, 20)[:2] == (2, 18)
+
+
+@pytest.mark.parametrize("zone,deadline", [("America/Los_Angeles", "2025-03-09 01:55"),
+                                           ("Europe/Berlin", "2025-03-30 01:55")])
+def test_grace_is_elapsed_time_on_the_night_the_clocks_go_forward(zone, deadline):
+    policy = late.Policy(deadline=at(f"{deadline} {zone}"), rate=10,
+                         grace=datetime.timedelta(minutes=15))
+    # 03:05 on the wall is 10 real minutes after 01:55 that night
+    penalty, _, words = policy.judge(at(f"{deadline[:10]} 03:05 {zone}"), (ANN,), 20, 20)
+    assert penalty == 0 and "10 min after the deadline, within the 15 min grace" in words
+    penalty, _, words = policy.judge(at(f"{deadline[:10]} 03:11 {zone}"), (ANN,), 20, 20)
+    assert penalty == 2 and words.startswith("16 min after the deadline"), words
 
 # --------------------------------------------------------------------------- the gradebooks
 def frame(policy=None):
