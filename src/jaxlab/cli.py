@@ -6,7 +6,10 @@ import sys
 import click
 from click.core import ParameterSource
 
+from .grade.engine.gradescope import BadExport
 from .grade.engine.sandbox import Mode
+from .grade.output.gradebook import BadCanvasRoster
+from .grade.output.late import BadPolicy
 from .grade.run.batch import grade as grade_api
 from .grade.run.slurm import slurm as slurm_api
 
@@ -135,9 +138,18 @@ def given_options(ctx, names):
     return args
 
 
+class BadInput(click.ClickException):
+    """An export, roster, extensions file or policy that cannot be used: its one sentence,
+    without the "Usage: ... Try --help" a mistyped command gets; exit status 2, as before."""
+
+    exit_code = 2
+
+
 def _grade_errors(call):
     try:
         return call()
+    except (BadExport, BadCanvasRoster, BadPolicy) as exc:
+        raise BadInput(str(exc)) from None
     except (ValueError, FileNotFoundError) as exc:  # which autograder, --shard, --only
         raise click.UsageError(str(exc)) from None
 

@@ -18,11 +18,13 @@ from jaxlab.grade.output import gradebook, late, similarity
 
 EXPORT = pathlib.Path(__file__).parent / "fixtures" / "gradescope_export"
 PACIFIC = datetime.timezone(datetime.timedelta(hours=-8))
+ENTRIES = ["submission_301000001", "submission_301000002", "submission_301000003",
+           "submission_301000009", "submission_301000010"]  # the fixture's, in its order
 
 
 def export_copy(root, notebooks=True):
     shutil.copytree(EXPORT, root)
-    for folder in ("submission_301000001", "submission_301000002", "submission_301000003"):
+    for folder in ENTRIES:
         (root / folder).mkdir()
         if notebooks:
             (root / folder / "lab.ipynb").write_text("{}")
@@ -33,15 +35,22 @@ def export_copy(root, notebooks=True):
 def test_export_folder_gives_each_submission_its_students_and_time(tmp_path):
     found = gradescope.find([str(export_copy(tmp_path / "export"))], tmp_path / "unpacked")
     assert found.warnings == []
-    assert [s.file for s in found.submissions] == [
-        "submission_301000001/lab.ipynb", "submission_301000002/lab.ipynb",
-        "submission_301000003/lab.ipynb"]
+    assert [s.file for s in found.submissions] == [f"{e}/lab.ipynb" for e in ENTRIES]
     group = found.roster.files["submission_301000002/lab.ipynb"]
     assert [s.name for s in group.students] == ["Bo Chen", "Cara Diaz"]
     assert group.students[1] == Student("Cara Diaz", "1003", "cara.diaz@example.edu")
     assert datetime.datetime.fromisoformat(group.time) == \
         datetime.datetime(2025, 3, 8, 2, 15, tzinfo=PACIFIC)
     assert group.entry == "submission_301000002"
+    # an SID with leading zeros stays text; a student without SID; names as written; a time
+    # in UTC ("... Z") read as that instant
+    zoe = found.roster.files["submission_301000009/lab.ipynb"]
+    assert zoe.students == (Student("Zoë Ångström", "00421", "zoe.angstrom@example.edu"),)
+    assert datetime.datetime.fromisoformat(zoe.time) == \
+        datetime.datetime(2025, 3, 7, 23, 40, 12, 938335, tzinfo=PACIFIC)
+    jose = found.roster.files["submission_301000010/lab.ipynb"]
+    assert jose.students == (Student("José Núñez", "", "jose.nunez@example.edu"),)
+    assert jose.time == "2025-03-08T09:30:00+00:00"
 
 
 def test_export_zip_with_a_top_folder_is_unpacked_and_read_alike(tmp_path):
@@ -52,7 +61,7 @@ def test_export_zip_with_a_top_folder_is_unpacked_and_read_alike(tmp_path):
             if p.is_file():
                 zf.write(p, p.relative_to(tmp_path).as_posix())
     found = gradescope.find([str(archive)], tmp_path / "unpacked")
-    assert len(found.submissions) == 3
+    assert len(found.submissions) == 5
     assert all(s.path.is_file() and tmp_path / "unpacked" in s.path.parents
                for s in found.submissions)
     assert found.roster.files["submission_301000001/lab.ipynb"].students[0].name == "Ann Lee"
@@ -68,7 +77,7 @@ def test_shards_unpacking_one_export_at_once_all_read_it_and_a_new_zip_replaces_
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         found = list(pool.map(lambda _: gradescope.find([str(archive)], tmp_path / "unpacked"),
                               range(6)))
-    assert all(len(f.submissions) == 3 and all(s.path.is_file() for s in f.submissions)
+    assert all(len(f.submissions) == 5 and all(s.path.is_file() for s in f.submissions)
                for f in found)
     # the export downloaded again, with a submission more: unpacked afresh
     (root / "submission_301000003" / "lab.ipynb").unlink()
@@ -76,7 +85,7 @@ def test_shards_unpacking_one_export_at_once_all_read_it_and_a_new_zip_replaces_
     os.utime(archive, ns=(1, 1))
     again = gradescope.find([str(archive)], tmp_path / "unpacked")
     assert [s.file.split("/")[0] for s in again.submissions] == [
-        "submission_301000001", "submission_301000002"]
+        e for e in ENTRIES if e != "submission_301000003"]
     assert sorted(p.name for p in (tmp_path).iterdir() if p.name.startswith(".")) == []
     assert [p.name for p in (tmp_path / "unpacked").parent.iterdir()
             if p.name.startswith(".unpacked")] == []
@@ -98,6 +107,45 @@ def test_malformed_metadata_names_the_file_and_the_line(tmp_path):
         gradescope.find([str(root)], tmp_path / "x")
 
 
+def files_under(folder):
+    """Every path under ``folder`` (folders too), files with their bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_a_broken_export_zip_is_refused_by_its_own_name_and_line_and_changes_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from jaxlab.cli import main
+
+    root = export_copy(tmp_path / "assignment_9_export")
+    archive = shutil.make_archive(str(tmp_path / "first"), "zip", tmp_path, root.name)
+    grades = tmp_path / "grades"
+    gradescope.find([archive], grades / ".jaxlab" / "export")
+    before = files_under(grades)
+    # downloaded again, and one key on a line of José's entry lost its ':' (a hand edit)
+    meta = root / gradescope.METADATA
+    lines = meta.read_text().splitlines(keepends=True)
+    n = max(i for i, line in enumerate(lines, 1) if line == "  :score: 15.0\n")
+    lines[n - 1] = "  :score 15.0\n"
+    meta.write_text("".join(lines))
+    again = shutil.make_archive(str(tmp_path / "again"), "zip", tmp_path, root.name)
+    said = f"{again}: assignment_9_export/submission_metadata.yml is not valid YAML at line {n}: " \
+           "could not find expected ':' (while scanning a simple key)"
+    with pytest.raises(gradescope.BadExport) as refused:
+        gradescope.find([again], grades / ".jaxlab" / "export")
+    assert str(refused.value) == said
+    assert files_under(grades) == before  # the kept copy, which regrades read, included
+    # an output folder that does not exist yet is not made
+    with pytest.raises(gradescope.BadExport):
+        gradescope.find([again], tmp_path / "new" / ".jaxlab" / "export")
+    assert not (tmp_path / "new").exists()
+    # on the command line: that sentence alone, no usage banner, nothing written
+    result = CliRunner().invoke(main, ["grade", again, "-o", str(grades)])
+    assert (result.exit_code, result.output) == (2, f"Error: {said}\n")
+    assert files_under(grades) == before
+
+
 def test_a_malformed_entry_is_named_and_its_folder_still_graded(tmp_path):
     root = export_copy(tmp_path / "export")
     text = (root / gradescope.METADATA).read_text()
@@ -108,7 +156,7 @@ def test_a_malformed_entry_is_named_and_its_folder_still_graded(tmp_path):
                         "  - 42")
     (root / gradescope.METADATA).write_text(text)
     found = gradescope.find([str(root)], tmp_path / "x")
-    assert len(found.submissions) == 3
+    assert len(found.submissions) == 5
     said = "\n".join(found.warnings)
     assert "entry 'submission_301000001': expected a list of :submitters" in said, said
     assert "entry 'submission_301000002': submitter 2 has no :name, :sid or :email" in said
@@ -129,7 +177,8 @@ def test_a_folder_missing_from_the_metadata_and_an_entry_without_folder_are_name
     found = gradescope.find([str(root)], tmp_path / "x")
     # the stray folder is graded all the same, with no student named
     assert [s.file.split("/")[0] for s in found.submissions] == [
-        "submission_301000001", "submission_301000002", "submission_999"]
+        "submission_301000001", "submission_301000002", "submission_301000009",
+        "submission_301000010", "submission_999"]
     assert "submission_999/lab.ipynb" not in found.roster.files
     assert any("submission_999: this folder is not an entry of submission_metadata.yml; it is "
                "graded, but its row names no student" in w for w in found.warnings), found.warnings

@@ -16,7 +16,8 @@ colon::
 
 (the layout read by open-source tools that take this export: see docs/grading.md, *Gradescope's
 export*). Each folder holds what the student uploaded: here a notebook or a ``grader.export()``
-zip. Everything this module refuses, it refuses with one sentence naming the file and the entry.
+zip. Everything this module refuses, it refuses with one sentence naming the file and the entry;
+a zip is checked before anything is unpacked, so a refused one leaves the kept copy as it was.
 """
 
 import dataclasses
@@ -117,6 +118,10 @@ def _unpack(zip_path, dest):
 
     if current():
         return dest
+    member = _metadata_in(zip_path).as_posix()
+    with zipfile.ZipFile(zip_path) as zf:
+        data = zf.read(member)
+    parse(data, f"{zip_path}: {member}")  # refused here, nothing on disk has changed yet
     dest.parent.mkdir(parents=True, exist_ok=True)
     fresh = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     with zipfile.ZipFile(zip_path) as zf:
@@ -149,24 +154,48 @@ def _unpack(zip_path, dest):
     return dest
 
 
+def parse(data, where):
+    """``submission_metadata.yml``'s text or bytes as the mapping it must be; ``where`` names
+    it in the refusal (the file given, and the entry inside a zip)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        line = f" at line {_line(exc)}" if _line(exc) else ""
+        said = str(getattr(exc, "problem", None) or exc) + \
+            (f" ({exc.context})" if getattr(exc, "context", None) else "")
+        raise BadExport(f"{where} is not valid YAML{line}: {said}") from None
+    except UnicodeDecodeError as exc:
+        raise BadExport(f"{where} cannot be read: {exc}") from None
+    if not isinstance(raw, dict):
+        raise BadExport(f"{where} should map each submission folder to its submitters; it "
+                        f"holds {type(raw).__name__}")
+    return raw
+
+
+def _line(exc):
+    """The line (from 1; YAML's marks count from 0) of a YAML error: where the token the
+    scanner could not finish starts, else where the parser stopped. A key without its ':' is
+    found only on the next line: "could not find expected ':'", with the key's line as the
+    context."""
+    import yaml
+
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.scanner.ScannerError) and exc.context_mark is not None:
+        mark = exc.context_mark
+    return mark.line + 1 if mark is not None else None
+
+
 def read(root):
     """The roster of the export in folder ``root`` (keyed by entry, e.g. "submission_123"),
     and warnings about entries whose folder is missing."""
-    import yaml
-
     path = pathlib.Path(root) / METADATA
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where is not None else ""
-        raise BadExport(f"{path} is not valid YAML{line}: "
-                        f"{getattr(exc, 'problem', None) or exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        text = path.read_bytes()
+    except OSError as exc:
         raise BadExport(f"{path} cannot be read: {exc}") from None
-    if not isinstance(raw, dict):
-        raise BadExport(f"{path} should map each submission folder to its submitters; it holds "
-                        f"{type(raw).__name__}")
+    raw = parse(text, str(path))
     files, warnings, seen = {}, [], {}
     for entry, data in raw.items():
         entry = str(entry)
