@@ -110,7 +110,11 @@ COURSE = [
                       "(2d, 36h) or 'deadline' (a time with its zone)."),
     click.option("--canvas-roster", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="Canvas's gradebook export, to give canvas_grades.csv the students' Canvas "
-                      "IDs and the assignment's column."),
+                      "IDs and the assignment's column (kept for later reports)."),
+    click.option("--canvas-assignment", default=None, metavar="TITLE",
+                 help="The column of the Canvas gradebook export to fill, e.g. 'Lab 4: shard_map "
+                      "(90210)' (default: the one titled as the lab is named; kept for later "
+                      "reports)."),
     click.option("--template", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="The student notebook as released, whose starter code the similarity check "
                       "leaves out (default: the shipped one for the autograder)."),

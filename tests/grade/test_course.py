@@ -442,6 +442,66 @@ def test_canvas_csv_has_canvas_columns_points_row_and_ids_from_its_own_export(tm
     assert plain.set_index("SIS User ID")["SIS Login ID"].to_dict()["1002"] == "bo@x.edu"
 
 
+# Canvas's gradebook export as instructors title their assignments, with its read-only totals
+CANVAS_EXPORT = (
+    "Student,ID,SIS User ID,SIS Login ID,Section,Lab 3: parallelism (90209),"
+    "Lab 4: shard_map (90210),Labs Current Score,Labs Final Score,Current Score,Final Score\n"
+    "    Points Possible,,,,,20.00,3.00,(read only),(read only),(read only),(read only)\n"
+    '"Lee, Ann",501,1001,alee,CS 101,18,,90,90,90,90\n'
+    '"Chen, Bo",502,1002,bchen,CS 101,20,,100,100,100,100\n')
+
+
+def test_canvas_csv_fills_the_column_titled_as_instructors_title_it(tmp_path):
+    from jaxlab.grade.output import canvas
+
+    export = tmp_path / "canvas.csv"
+    export.write_text(CANVAS_EXPORT)
+    assert canvas.assignment_columns(export) == ["Lab 3: parallelism (90209)",
+                                                 "Lab 4: shard_map (90210)"]
+    # by the lab's name (letters and digits compared), or by --canvas-assignment: the whole
+    # title, or the title without its id
+    for title in (None, "Lab 4: shard_map (90210)", "lab 4: SHARD_MAP"):
+        assert canvas.column(export, "lab4-shard-map", title) == "Lab 4: shard_map (90210)"
+    assert canvas.column(export, "lab4-shard-map", "Lab 3: parallelism") == \
+        "Lab 3: parallelism (90209)"
+    gradebook.write_canvas(tmp_path, frame(), canvas.column(export, "lab4-shard-map"),
+                           gradebook.read_canvas_roster(export))
+    with open(tmp_path / gradebook.CANVAS_FILE, newline="") as f:
+        rows = list(csv.reader(f))
+    # the exact title, so that Canvas's import finds the assignment by its (90210)
+    assert rows[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section",
+                       "Lab 4: shard_map (90210)"]
+    assert {r[1]: r[5] for r in rows[2:]} == {"501": "1", "502": "2", "": "2"}
+
+
+def test_a_canvas_export_none_of_whose_columns_match_is_refused_with_their_titles(tmp_path):
+    from jaxlab.grade.output import canvas
+
+    export = tmp_path / "canvas.csv"
+    export.write_text(CANVAS_EXPORT)
+    with pytest.raises(gradebook.BadCanvasRoster) as refused:
+        canvas.column(export, "fixture")
+    assert str(refused.value) == (
+        f"--canvas-roster {export}: no assignment column matches this lab's name, 'fixture', so "
+        "canvas_grades.csv would make a new assignment; its assignment columns are 'Lab 3: "
+        "parallelism (90209)', 'Lab 4: shard_map (90210)': name the one to fill with "
+        "--canvas-assignment TITLE")
+    with pytest.raises(gradebook.BadCanvasRoster, match=r"no assignment column matches "
+                                                        r"--canvas-assignment 'Lab 5'"):
+        canvas.column(export, "lab4-shard-map", "Lab 5")
+    # two assignments of one title (a re-created one keeps it): only the whole title picks
+    export.write_text(CANVAS_EXPORT.replace("Lab 3: parallelism (90209)",
+                                            "Lab 4: shard_map (90301)"))
+    with pytest.raises(gradebook.BadCanvasRoster, match=r"matches 2 assignment columns \('Lab 4: "
+                                                        r"shard_map \(90301\)', 'Lab 4: "):
+        canvas.column(export, "lab4-shard-map")
+    assert canvas.column(export, "x", "Lab 4: shard_map (90301)") == "Lab 4: shard_map (90301)"
+    # no assignment column at all: nothing to fill
+    export.write_text("Student,ID,SIS User ID,SIS Login ID,Section,Current Score\n")
+    with pytest.raises(gradebook.BadCanvasRoster, match="has no assignment column"):
+        canvas.column(export, "lab4-shard-map")
+
+
 def test_a_file_that_is_not_a_canvas_export_is_refused(tmp_path):
     bad = tmp_path / "roster.csv"
     bad.write_text("name,email\nAnn,ann@x.edu\n")
