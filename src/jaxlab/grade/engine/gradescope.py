@@ -47,6 +47,9 @@ class Export:
     roster: Roster
     submissions: list  # Submission, file keys "submission_123456/<name>"
     warnings: list  # sentences for the instructor
+    # entry -> the sentence for an entry of submission_metadata.yml without its folder, said
+    # unless the caller has more to say of it (a submission graded before: run.course)
+    absent: dict = dataclasses.field(default_factory=dict)
 
 
 def find(paths, unpack_to):
@@ -63,7 +66,7 @@ def find(paths, unpack_to):
     if given.is_file():
         given = _unpack(given, pathlib.Path(unpack_to))
     root = _metadata_in(given).parent
-    roster, warnings = read(root)
+    roster, warnings, absent = read(root)
     folders = sorted(p.name for p in root.iterdir() if p.is_dir()
                      and not p.name.startswith(".") and p.name != "__MACOSX")
     subs = []
@@ -82,7 +85,7 @@ def find(paths, unpack_to):
             subs.append(sub)
     files = {s.file.split("/")[0]: s.file for s in subs}
     roster.files = {files[f]: s for f, s in roster.files.items() if f in files}
-    return Export(root, roster, subs, warnings)
+    return Export(root, roster, subs, warnings, absent)
 
 
 def _metadata_in(path):
@@ -189,21 +192,22 @@ def _line(exc):
 
 def read(root):
     """The roster of the export in folder ``root`` (keyed by entry, e.g. "submission_123"),
-    and warnings about entries whose folder is missing."""
+    warnings about its entries, and {entry: a sentence naming its students} for the entries
+    whose folder is missing."""
     path = pathlib.Path(root) / METADATA
     try:
         text = path.read_bytes()
     except OSError as exc:
         raise BadExport(f"{path} cannot be read: {exc}") from None
     raw = parse(text, str(path))
-    files, warnings, seen = {}, [], {}
+    files, warnings, seen, absent = {}, [], {}, {}
     for entry, data in raw.items():
         entry = str(entry)
         where = f"{path}, entry {entry!r}"
         students, time, problems = _entry(data)
         if not (pathlib.Path(root) / entry).is_dir():
-            warnings.append(f"{where}: no folder {entry}/ in the export; nothing to grade for "
-                            f"{', '.join(s.name or s.key() for s in students) or 'it'}")
+            absent[entry] = (f"{where}: no folder {entry}/ in the export; nothing to grade for "
+                             f"{', '.join(s.name or s.key() for s in students) or 'it'}")
             continue
         warnings.extend(f"{where}: {p}" for p in problems)
         for s in students:
@@ -215,7 +219,7 @@ def read(root):
             warnings.append(f"{path}: {entries[0][2].name} ({key}) is a submitter of "
                             f"{', '.join(e[0] for e in entries)}; every row is graded, and the "
                             f"gradebook files take the latest, {latest[0]}")
-    return Roster(str(path), files), warnings
+    return Roster(str(path), files), warnings, absent
 
 
 def _entry(data):

@@ -70,13 +70,19 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     out = pathlib.Path(output_dir)
     export = gradescope.find(paths, shards.state_dir(out) / "export")
     roster = export.roster if export else None
+    # graded from an earlier export, lacking from this one: kept, their students in the roster
+    kept = course.graded_before(out, [s.file for s in export.submissions]) if export else {}
+    if kept:
+        roster = course.with_graded_before(roster, kept)
     # checked before anything is graded: a bad deadline or extension costs nothing
     policy = course.policy_of(out, roster, deadline=deadline, late_penalty=late_penalty,
                               grace=grace, late_cap=late_cap, cutoff=cutoff,
                               extensions=extensions)
     canvas = course.canvas_of(out, canvas_roster, canvas_assignment)
     if export:
-        gradescope.say(export.warnings)
+        entries = {sub.entry for sub, _ in kept.values()}
+        gradescope.say(export.warnings + [w for e, w in export.absent.items() if e not in entries])
+        course.say_kept(kept)
     everything = export.submissions if export else collect(paths, exclude=[out])
     if not everything:
         print("jaxlab grade: no .ipynb or .zip submissions found", file=sys.stderr)
@@ -189,7 +195,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
                 # (2,000 rows take seconds; `jaxlab report` rebuilds it from the records)
                 if whole and time.monotonic() - csv_at >= 10 * csv_took:
                     csv_at = time.monotonic()
-                    write_csv(out, _ordered(records, subs), ag, roster, policy)
+                    write_csv(out, _ordered(records, subs, kept), ag, roster, policy)
                     csv_took = time.monotonic() - csv_at
                 bar.update()
         for t in slots:
@@ -197,7 +203,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         manifest.finished = time.time()
         shards.write_manifest(out, manifest)
         if whole:
-            course.write_class_files(out, _ordered(records, subs), ag, policy=policy,
+            course.write_class_files(out, _ordered(records, subs, kept), ag, policy=policy,
                                      canvas_roster=canvas.rows, canvas_column=column, show=show)
             if show:
                 print_table(question_table(_ordered(records, subs), ag))
@@ -285,8 +291,10 @@ def _grade_one(settings, job):
     return _read_record(job) if ok else None
 
 
-def _ordered(records, subs):
-    return [records[s.file] for s in subs if s.file in records]
+def _ordered(records, subs, kept=None):
+    """The records of ``subs`` in their order, then those ``kept`` (``course.graded_before``)."""
+    return [records[s.file] for s in subs if s.file in records] + \
+        [record for _, record in (kept or {}).values()]
 
 
 def _worker_env(settings):

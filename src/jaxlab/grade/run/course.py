@@ -14,7 +14,7 @@ import pathlib
 import sys
 import zipfile
 
-from ..model import Roster, write_atomically
+from ..model import Record, Roster, write_atomically
 from ..output import canvas as canvas_columns, late
 from ..output.classreport import write_class_report
 from ..output.gradebook import read_canvas_roster
@@ -35,6 +35,45 @@ def keep_roster(out, roster):
     path = shards.state_dir(out) / ROSTER
     path.parent.mkdir(parents=True, exist_ok=True)
     roster.write(path)
+
+
+KEPT = "not in the latest export: graded from an earlier one, kept"  # grading_status
+
+
+def graded_before(out, present):
+    """The submissions the roster kept in ``out`` names that the export graded now lacks
+    (``present``: its file keys; one whose folder is there is not lacking) and that were graded:
+    {file: (Submitted, its record with KEPT in its grading_status)}. A student once graded
+    stays in the class's files; the record, written when it was graded, is read from there."""
+    old = roster_of(out)
+    folders = {f.split("/")[0] for f in present}
+    found = {}
+    for file, sub in (old.files.items() if old else ()):
+        if file in present or file.split("/")[0] in folders:
+            continue
+        try:
+            record = Record.read(shards.state_dir(out) / shards.RECORDS /
+                                 f"{shards.record_key(file)}.json")
+        except (OSError, ValueError, TypeError, KeyError):  # never graded: nothing to keep
+            continue
+        if record.file == file:
+            found[file] = (sub, dataclasses.replace(
+                record, status=f"{KEPT}; {record.status}" if record.status else KEPT))
+    return found
+
+
+def with_graded_before(roster, kept):
+    """``roster`` with the students of ``kept`` (``graded_before``)."""
+    return Roster(roster.source, {**roster.files, **{f: sub for f, (sub, _) in kept.items()}})
+
+
+def say_kept(kept, who="jaxlab grade"):
+    """One line per submission ``graded_before`` keeps, naming its students."""
+    for file, (sub, _) in kept.items():
+        names = ", ".join(s.name or s.email or s.sid for s in sub.students) or "no student named"
+        print(f"{who}: {names} ({sub.entry or file}): not in this export; graded before, so "
+              "the row stays in final_grades.csv, gradescope_scores.csv and canvas_grades.csv, "
+              "marked in grading_status", file=sys.stderr)
 
 
 def policy_of(out, roster, *, deadline=None, late_penalty=None, grace=None, late_cap=None,

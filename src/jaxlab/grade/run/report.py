@@ -34,7 +34,10 @@ def report(*, output_dir="grades", show=True, deadline=None, late_penalty=None, 
     split = shards.current_split(out)
     files = split.files()
     records = shards.records_of(out, files)
-    ordered = [records[f] for f in files if f in records]
+    graded = [records[f] for f in files if f in records]
+    # graded from an earlier export that the latest lacks: their rows stay, marked
+    kept = course.graded_before(out, files) if roster is not None else {}
+    ordered = graded + [r for _, r in kept.values()]
     names = {m.autograder for m in split.manifests.values() if m.autograder}
     if len(names) != 1:
         raise ValueError(f"the shards of {out} were graded with {len(names)} different "
@@ -49,10 +52,12 @@ def report(*, output_dir="grades", show=True, deadline=None, late_penalty=None, 
         many = len(split.missing()) > 1
         waiting.append(f"shard{'s' if many else ''} {_ranges(split.missing())} of "
                        f"{split.count}: never started")
+    if show:
+        course.say_kept(kept, "jaxlab report")
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="jaxlab-report-"))
     try:
         ag = open_autograder(zip_path, scratch)
-        for r in ordered:  # a shard wrote these as it graded; only a missing or older one again
+        for r in graded:  # a shard wrote these as it graded; only a missing or older one again
             if _older_than_record(out, r):
                 write_submission(out, r, ag)
         course.write_class_files(out, ordered, ag, waiting=waiting, policy=policy,
@@ -63,11 +68,11 @@ def report(*, output_dir="grades", show=True, deadline=None, late_penalty=None, 
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if waiting:
-        print(f"jaxlab report: {len(ordered)} of {len(files)} submissions graded so far "
+        print(f"jaxlab report: {len(graded)} of {len(files)} submissions graded so far "
               f"({'; '.join(waiting)}); run those shards again, then `jaxlab report` again",
               file=sys.stderr)
     elif show:
-        print(f"jaxlab report: {len(ordered)} submissions from {split.count} shard"
+        print(f"jaxlab report: {len(graded)} submissions from {split.count} shard"
               f"{'s' if split.count != 1 else ''} in {out / CSV}", file=sys.stderr)
     return not waiting
 
