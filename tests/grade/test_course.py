@@ -5,6 +5,7 @@ import csv
 import datetime
 import io
 import pathlib
+import re
 import shutil
 import zipfile
 import zoneinfo
@@ -561,6 +562,53 @@ def test_a_renamed_copy_is_flagged_and_honest_students_sharing_answers_are_not()
     assert "<mark>" in html and "copy.ipynb" in html and 'data-flagged="1"' in html
 
 
+
+IMPORT = "import jax.numpy as jnp"  # what every student writes atop every answer cell
+
+
+def test_common_lines_are_those_at_least_half_of_a_questions_answers_have():
+    answers = [f"{IMPORT}\ny = 1", f"{IMPORT}\ny = 2", f"{IMPORT}\nz = y\ny = 3", "", "y = 4",
+               "y = 5"]
+    assert similarity.common_lines(answers) == {IMPORT}  # 3 of the 5 answers
+    assert similarity.common_lines(answers[:2]) == set()  # two students share nothing common
+
+
+def test_the_page_highlights_neither_starter_code_nor_common_lines_and_lists_every_identical_answer(
+        tmp_path):
+    """The issue's class: an import atop every answer cell, a template line students keep,
+    honest students sharing answers, and a verbatim copy of a student with two answers of her
+    own and one the class commonly wrote."""
+    def student(file, *answers):
+        return Record(file=file, sha256="", answers={
+            f"q{i + 1}": [f"### Your code here\n{IMPORT}\n" + a] for i, a in enumerate(answers)})
+
+    records = [student(f"s{a}{b}{c}", HONEST["q1"][a], HONEST["q2"][b], HONEST["q3"][c])
+               for a in range(4) for b in range(4) for c in range(4) if (a + b + c) % 3 == 0]
+    records += [student("own", HONEST["q1"][1], OWN[0], OWN[1]),
+                student("own-copy", HONEST["q1"][1], OWN[0], OWN[1])]
+    # the starter code: q3's signature, which only "own" (and so her copy) kept as given
+    template = {"q1": ["### Your code here\ny = ..."], "q2": ["### Your code here\ndouble = ..."],
+                "q3": ["### Your code here\ndef triple(values):\n    ..."]}
+    result = similarity.compare(records, template)
+    assert [{p.a, p.b} for p in result.flagged] == [{"own", "own-copy"}]
+    # the verbatim copy lists all three identical answers: q2 and q3 rare, then q1, which
+    # many of the class wrote, marked common
+    copy = result.flagged[0]
+    assert [(m.question, m.common) for m in copy.matches][2] == ("q1", True)
+    assert {m.question for m in copy.matches[:2]} == {"q2", "q3"}
+    assert all(m.identical > 1 for m in copy.matches)
+    assert copy.matches[2].words() == f"q1 (identical, common: {copy.matches[2].held()})"
+    assert " q1 (common)," in similarity.write_csv(tmp_path, result).read_text()
+    page = similarity.section(result, lambda f: f"grading-summaries/{f}.txt")
+    marked = re.findall(r"<mark>(.*?)</mark>", page, re.S)
+    assert marked and any("twice" in m for m in marked)  # the copied code is marked
+    assert not any("import" in m or "def triple(values)" in m for m in marked), marked
+    assert IMPORT in page  # shown, not marked
+    # every listed pair, flagged or not, opens to its cells side by side
+    assert sorted(map(int, re.findall(r'<details class="side" data-pair="(\d+)"', page))) == \
+        list(range(len(result.pairs)))
+    assert "identical, common: " in page and "A low score does not mean a pair worked alone" \
+        in page
 
 def test_traced_programs_alone_find_a_copy_whose_code_was_rewritten():
     bag = {"all_gather:f32[64,16]<-arg": 1, "dot_general:f32[4,16]<-all_gather,arg": 1,
