@@ -5,10 +5,9 @@ Per question, each submission's answer is compared two ways, from what its recor
 (``Record.answers``, ``Record.programs``):
 
 * **as code**: the cells of its part of the notebook with the released notebook's starter code
-  removed (every line the template has, and copydetect's ``boilerplate`` for what is left) and
-  the question's common lines (a line at least half the answers to it have, such as the import
-  every answer cell starts with), fingerprinted by copydetect (winnowing over Python tokens
-  with names, strings and comments filtered out); the overlap of two fingerprint sets (Dice);
+  removed (every line the template has, and copydetect's ``boilerplate`` for what is left),
+  fingerprinted by copydetect (winnowing over Python tokens with names, strings and comments
+  filtered out); the overlap of two fingerprint sets (Dice);
 * **as a traced program**: the bag of dataflow steps of what the probes traced with
   ``jax.make_jaxpr`` (``engine.traces``), indifferent to names, constants, comments and the
   order of independent lines; the overlap of two bags (Dice).
@@ -29,9 +28,11 @@ tied together): ``FAMILY_ERROR`` of such classes would flag a pair.
 
 What the page shows of a pair: every question where it is rarely alike, and every question the
 two answered identically (the starter code aside), marked *common* where many pairs are as
-alike; each pair's cells side by side, only what is neither starter code nor a common line
-highlighted. A low score is not innocence: what the class commonly wrote weighs little, so a
-copy of a student whose answers are mostly the common ones scores low.
+alike; each pair's cells side by side, what copydetect finds in both highlighted except the
+question's common lines (a line at least half the answers to it have, such as an import every
+answer cell starts with: ``common_lines``), which weigh nearly nothing in the score either. A
+low score is not innocence: what the class commonly wrote weighs little, so a copy of a student
+whose answers are mostly the common ones scores low.
 """
 
 import dataclasses
@@ -84,10 +85,9 @@ class Match:
 class Answer:
     """One submission's answer to one question, as compared and as shown."""
 
-    text: str  # its cells without the released notebook's lines: what the page shows
-    code: str  # ``text`` without the question's common lines: what is fingerprinted
-    where: list  # (where in ``code``, where in ``text``) each line of ``code`` starts
-    fingerprint: object = None  # copydetect's CodeFingerprint of ``code``; None: too short
+    text: str  # its cells without the released notebook's lines: fingerprinted and shown
+    fingerprint: object = None  # copydetect's CodeFingerprint of ``text``; None: too short
+    common: tuple = ()  # (start, end) of each of its lines the page never highlights
 
 
 @dataclasses.dataclass
@@ -144,26 +144,14 @@ def common_lines(answers):
     return {line for line, n in held.items() if n >= COMMON * len(given)}
 
 
-def _without(text, lines):
-    """``text`` without its lines in ``lines`` (compared stripped), and where each line left
-    starts in the result and in ``text`` (``Answer.where``)."""
-    kept, where, at, length = [], [], 0, 0
+def _spans(text, lines):
+    """(start, end) of each line of ``text`` in ``lines`` (compared stripped)."""
+    found, at = [], 0
     for line in text.splitlines(keepends=True):
-        if line.strip() not in lines:
-            kept.append(line)
-            where.append((length, at))
-            length += len(line)
+        if line.strip() in lines:
+            found.append((at, at + len(line)))
         at += len(line)
-    return "".join(kept).rstrip("\n"), where
-
-
-def _in_text(answer, index):
-    """Where character ``index`` of ``answer.code`` is in ``answer.text``."""
-    import bisect
-
-    line = bisect.bisect_right(answer.where, index, key=lambda w: w[0]) - 1
-    start, at = answer.where[line]
-    return at + index - start
+    return tuple(found)
 
 
 def _fingerprint(code, boilerplate):
@@ -195,14 +183,13 @@ def compare(records, template=None, *, seed=0):
         prints, seen = [], {}  # seen: code -> its fingerprint (a class repeats short answers)
         texts = [strip_template(r.answers.get(q, []), template_lines) for r in records]
         common = common_lines(texts)
-        for r, text in zip(records, texts):
-            code, where = _without(text, common)
+        for r, code in zip(records, texts):
             if code not in seen:
                 fp = _fingerprint(code, boiler) if code else None
                 seen[code] = None if fp is None or len(fp.filtered_code) < MIN_CODE_CHARS \
                     else fp
             prints.append(seen[code])
-            code_of[(r.file, q)] = Answer(text, code, where, seen[code])
+            code_of[(r.file, q)] = Answer(code, seen[code], _spans(code, common))
         holders[q] = collections.Counter(texts)
         code_sim, code_info = _overlaps([set(fp.hashes) if fp is not None else None
                                          for fp in prints])
@@ -390,20 +377,22 @@ def _pct(x):
 
 
 def _highlighted(result, a, b, q):
-    """Both answers to ``q`` escaped, what copydetect finds in both in <mark>: only code that
-    is neither starter code (not shown) nor a common line (shown, never marked)."""
+    """Both answers to ``q`` escaped, what copydetect finds in both in <mark>, except the
+    question's common lines (starter code is not shown at all)."""
     from copydetect import compare_files
 
-    none = Answer("", "", [])
+    none = Answer("")
     first, second = result.code.get((a, q)) or none, result.code.get((b, q)) or none
-    marked = [[], []]
+    marked = [set(), set()]
     if first.fingerprint is not None and second.fingerprint is not None:
         _, _, slices = compare_files(first.fingerprint, second.fingerprint)
-        for answer, found, spans in zip((first, second), slices, marked):
+        for answer, found, chars in zip((first, second), slices, marked):
             for start, end in (found.T.astype(int) if found.size else ()):
-                spans.extend(_in_text(answer, c) for c in range(start, end))
-    return tuple(_marked(answer.text, set(spans)) if answer.text else "(no code of its own)"
-                 for answer, spans in zip((first, second), marked))
+                chars.update(range(start, end))
+            for start, end in answer.common:
+                chars.difference_update(range(start, end))
+    return tuple(_marked(answer.text, chars) if answer.text else "(no code of its own)"
+                 for answer, chars in zip((first, second), marked))
 
 
 def _marked(text, chars):
