@@ -30,7 +30,8 @@ What the page shows of a pair: every question where it is rarely alike, and ever
 two answered identically (the starter code aside), marked *common* where many pairs are as
 alike; each pair's cells side by side, what copydetect finds in both highlighted except the
 question's common lines (a line at least half the answers to it have, such as an import every
-answer cell starts with: ``common_lines``), which weigh nearly nothing in the score either. A
+answer cell starts with: ``common_lines``), which weigh little in the score too (at most
+ln 2 a fingerprint, against ln n for one only the pair has). A
 low score is not innocence: what the class commonly wrote weighs little, so a copy of a student
 whose answers are mostly the common ones scores low.
 """
