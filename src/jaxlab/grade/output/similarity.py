@@ -364,7 +364,7 @@ def section(result, link):
                      if m.common else f"{'identical · ' if m.identical else ''}code "
                      f"{_pct(m.code)} · program {_pct(m.trace)} · as alike as {m.p:.0%} of "
                      "pairs") if m else "not rarely alike"
-            out.append(f'<h3 data-question="{e(q)}">{e(q)} · {e(about)}</h3><div class="sbs">'
+            out.append(f'<h3>{e(q)} · {e(about)}</h3><div class="sbs">'
                        f'<div><div class="who">{e(result.named(p.a))}</div><pre>{left}</pre>'
                        f'</div><div><div class="who">{e(result.named(p.b))}</div>'
                        f"<pre>{right}</pre></div></div>")
