@@ -6,7 +6,10 @@ import sys
 import click
 from click.core import ParameterSource
 
+from .grade.engine.gradescope import BadExport
 from .grade.engine.sandbox import Mode
+from .grade.output.gradebook import BadCanvasRoster
+from .grade.output.late import BadPolicy
 from .grade.run.batch import grade as grade_api
 from .grade.run.slurm import slurm as slurm_api
 from .mutants import mutants as mutants_api
@@ -110,7 +113,11 @@ COURSE = [
                       "(2d, 36h) or 'deadline' (a time with its zone)."),
     click.option("--canvas-roster", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="Canvas's gradebook export, to give canvas_grades.csv the students' Canvas "
-                      "IDs and the assignment's column."),
+                      "IDs and the assignment's column (kept for later reports)."),
+    click.option("--canvas-assignment", default=None, metavar="TITLE",
+                 help="The column of the Canvas gradebook export to fill, e.g. 'Lab 4: shard_map "
+                      "(90210)' (default: the one titled as the lab is named; kept for later "
+                      "reports)."),
     click.option("--template", type=click.Path(exists=True, dir_okay=False), default=None,
                  help="The student notebook as released, whose starter code the similarity check "
                       "leaves out (default: the shipped one for the autograder)."),
@@ -138,9 +145,18 @@ def given_options(ctx, names):
     return args
 
 
+class BadInput(click.ClickException):
+    """An export, roster, extensions file or policy that cannot be used: its one sentence,
+    without the "Usage: ... Try --help" a mistyped command gets; exit status 2, as before."""
+
+    exit_code = 2
+
+
 def _grade_errors(call):
     try:
         return call()
+    except (BadExport, BadCanvasRoster, BadPolicy) as exc:
+        raise BadInput(str(exc)) from None
     except (ValueError, FileNotFoundError) as exc:  # which autograder, --shard, --only
         raise click.UsageError(str(exc)) from None
 

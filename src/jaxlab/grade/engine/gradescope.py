@@ -16,7 +16,8 @@ colon::
 
 (the layout read by open-source tools that take this export: see docs/grading.md, *Gradescope's
 export*). Each folder holds what the student uploaded: here a notebook or a ``grader.export()``
-zip. Everything this module refuses, it refuses with one sentence naming the file and the entry.
+zip. Everything this module refuses, it refuses with one sentence naming the file and the entry;
+a zip is checked before anything is unpacked, so a refused one leaves the kept copy as it was.
 """
 
 import dataclasses
@@ -46,6 +47,9 @@ class Export:
     roster: Roster
     submissions: list  # Submission, file keys "submission_123456/<name>"
     warnings: list  # sentences for the instructor
+    # entry -> the sentence for an entry of submission_metadata.yml without its folder, said
+    # unless the caller has more to say of it (a submission graded before: run.course)
+    absent: dict = dataclasses.field(default_factory=dict)
 
 
 def find(paths, unpack_to):
@@ -62,7 +66,7 @@ def find(paths, unpack_to):
     if given.is_file():
         given = _unpack(given, pathlib.Path(unpack_to))
     root = _metadata_in(given).parent
-    roster, warnings = read(root)
+    roster, warnings, absent = read(root)
     folders = sorted(p.name for p in root.iterdir() if p.is_dir()
                      and not p.name.startswith(".") and p.name != "__MACOSX")
     subs = []
@@ -81,7 +85,7 @@ def find(paths, unpack_to):
             subs.append(sub)
     files = {s.file.split("/")[0]: s.file for s in subs}
     roster.files = {files[f]: s for f, s in roster.files.items() if f in files}
-    return Export(root, roster, subs, warnings)
+    return Export(root, roster, subs, warnings, absent)
 
 
 def _metadata_in(path):
@@ -117,6 +121,10 @@ def _unpack(zip_path, dest):
 
     if current():
         return dest
+    member = _metadata_in(zip_path).as_posix()
+    with zipfile.ZipFile(zip_path) as zf:
+        data = zf.read(member)
+    parse(data, f"{zip_path}: {member}")  # refused here, nothing on disk has changed yet
     dest.parent.mkdir(parents=True, exist_ok=True)
     fresh = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     with zipfile.ZipFile(zip_path) as zf:
@@ -149,32 +157,57 @@ def _unpack(zip_path, dest):
     return dest
 
 
-def read(root):
-    """The roster of the export in folder ``root`` (keyed by entry, e.g. "submission_123"),
-    and warnings about entries whose folder is missing."""
+def parse(data, where):
+    """``submission_metadata.yml``'s text or bytes as the mapping it must be; ``where`` names
+    it in the refusal (the file given, and the entry inside a zip)."""
     import yaml
 
+    try:
+        raw = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        line = f" at line {_line(exc)}" if _line(exc) else ""
+        said = str(getattr(exc, "problem", None) or exc) + \
+            (f" ({exc.context})" if getattr(exc, "context", None) else "")
+        raise BadExport(f"{where} is not valid YAML{line}: {said}") from None
+    except UnicodeDecodeError as exc:
+        raise BadExport(f"{where} cannot be read: {exc}") from None
+    if not isinstance(raw, dict):
+        raise BadExport(f"{where} should map each submission folder to its submitters; it "
+                        f"holds {type(raw).__name__}")
+    return raw
+
+
+def _line(exc):
+    """The line (from 1; YAML's marks count from 0) of a YAML error: where the token the
+    scanner could not finish starts, else where the parser stopped. A key without its ':' is
+    found only on the next line: "could not find expected ':'", with the key's line as the
+    context."""
+    import yaml
+
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.scanner.ScannerError) and exc.context_mark is not None:
+        mark = exc.context_mark
+    return mark.line + 1 if mark is not None else None
+
+
+def read(root):
+    """The roster of the export in folder ``root`` (keyed by entry, e.g. "submission_123"),
+    warnings about its entries, and {entry: a sentence naming its students} for the entries
+    whose folder is missing."""
     path = pathlib.Path(root) / METADATA
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where is not None else ""
-        raise BadExport(f"{path} is not valid YAML{line}: "
-                        f"{getattr(exc, 'problem', None) or exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        text = path.read_bytes()
+    except OSError as exc:
         raise BadExport(f"{path} cannot be read: {exc}") from None
-    if not isinstance(raw, dict):
-        raise BadExport(f"{path} should map each submission folder to its submitters; it holds "
-                        f"{type(raw).__name__}")
-    files, warnings, seen = {}, [], {}
+    raw = parse(text, str(path))
+    files, warnings, seen, absent = {}, [], {}, {}
     for entry, data in raw.items():
         entry = str(entry)
         where = f"{path}, entry {entry!r}"
         students, time, problems = _entry(data)
         if not (pathlib.Path(root) / entry).is_dir():
-            warnings.append(f"{where}: no folder {entry}/ in the export; nothing to grade for "
-                            f"{', '.join(s.name or s.key() for s in students) or 'it'}")
+            absent[entry] = (f"{where}: no folder {entry}/ in the export; nothing to grade for "
+                             f"{', '.join(s.name or s.key() for s in students) or 'it'}")
             continue
         warnings.extend(f"{where}: {p}" for p in problems)
         for s in students:
@@ -186,7 +219,7 @@ def read(root):
             warnings.append(f"{path}: {entries[0][2].name} ({key}) is a submitter of "
                             f"{', '.join(e[0] for e in entries)}; every row is graded, and the "
                             f"gradebook files take the latest, {latest[0]}")
-    return Roster(str(path), files), warnings
+    return Roster(str(path), files), warnings, absent
 
 
 def _entry(data):

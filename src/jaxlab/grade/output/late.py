@@ -4,8 +4,14 @@ The policy: a deadline (with its time zone); a penalty of ``rate`` percent of th
 points for each started ``unit`` (day or hour) late; a grace period within which a submission
 counts as on time (past it, lateness counts from the deadline itself); a cap on the penalty; a
 cutoff after which a submission scores zero; and per-student extensions (a new deadline, or
-more time) from a small CSV. The score never goes below zero. Canvas's own late policy counts
-the same way (a percentage of the points per late day or hour, started units counting whole).
+more time) from a small CSV. The score never goes below zero.
+
+Every duration is elapsed time, whatever the clock on the wall does: lateness is the real time
+between the deadline and the submission, and an extension, a grace or a cutoff of ``36h`` ends
+36 real hours after what it extends, across a daylight-saving change too. A day (``d``, and
+the ``/day`` of a penalty) is 24 such hours, as in Canvas's late policy, which counts late
+days as ``ceil(seconds late / 86400)`` (``LatePolicy#points_deducted`` in canvas-lms), started
+units counting whole. Times are shown on the deadline's own clock.
 """
 
 import csv
@@ -61,7 +67,7 @@ def parse_time(text, what="--deadline"):
 
 
 def parse_duration(text, what):
-    """'2d', '36h', '15m', '1d 12h' as a timedelta."""
+    """'2d', '36h', '15m', '1d 12h' as a timedelta: elapsed time, a day being 24 hours."""
     text = str(text).strip().lower()
     pieces = list(_DURATION.finditer(text))
     if not pieces or _DURATION.sub("", text).strip():
@@ -133,7 +139,7 @@ class Policy:
         extensions, else the course's."""
         own = [self.extensions[s.key()].apply(self.deadline) for s in students
                if s.key() in self.extensions]
-        return max(own, default=self.deadline)
+        return max(own, default=self.deadline, key=_utc)
 
     def judge(self, submitted, students, possible, raw):
         """(penalty in points, final score, reason in words) for a submission at ``submitted``
@@ -141,11 +147,12 @@ class Policy:
         if submitted is None:
             return 0.0, raw, "no submission time: no late penalty applied"
         due = self.deadline_for(students)
-        extended = due != self.deadline
+        extended = _utc(due) != _utc(self.deadline)
         due_words = f"the extended deadline {_show(due)}" if extended else "the deadline"
-        late = submitted - due
-        cutoff = self.cutoff + due if isinstance(self.cutoff, datetime.timedelta) else self.cutoff
-        if cutoff is not None and submitted > cutoff:
+        late = _utc(submitted) - _utc(due)
+        cutoff = after(due, self.cutoff) if isinstance(self.cutoff, datetime.timedelta) \
+            else self.cutoff
+        if cutoff is not None and _utc(submitted) > _utc(cutoff):
             return raw, 0.0, (f"submitted {_span(late)} after {due_words}, past the cutoff "
                               f"{_show(cutoff)}: scores zero")
         if late <= datetime.timedelta():
@@ -174,7 +181,7 @@ class Extension:
     more: datetime.timedelta | None = None
 
     def apply(self, deadline):
-        return self.until if self.until is not None else deadline + self.more
+        return self.until if self.until is not None else after(deadline, self.more)
 
     def to_dict(self):
         return {"until": self.until.isoformat() if self.until else None,
@@ -236,6 +243,18 @@ def read_extensions(path, known):
         found[student.key()] = Extension(more=parse_duration(more, where)) if more else \
             Extension(until=parse_time(until, where))
     return found
+
+
+def after(t, delta):
+    """``delta`` of elapsed time after ``t``, shown on ``t``'s clock. (Python adds a timedelta
+    to an aware time on its wall clock: 2025-03-07 23:59 Los Angeles + 36 h gave 11:59 on
+    March 9, 35 real hours later, as the clocks went forward that night.)"""
+    return (_utc(t) + delta).astimezone(t.tzinfo)
+
+
+def _utc(t):
+    """``t`` in UTC: Python compares and subtracts two times of one zone on their wall clock."""
+    return t.astimezone(datetime.timezone.utc)
 
 
 def _aware(text, zone):

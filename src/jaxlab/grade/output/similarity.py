@@ -25,6 +25,15 @@ program rank below honest pairs with the same popular answer), and a pair's scor
 than the highest score of any pair in classes made by shuffling each question's answers among
 the students independently (same answers, same per-question agreement, no student's answers
 tied together): ``FAMILY_ERROR`` of such classes would flag a pair.
+
+What the page shows of a pair: every question where it is rarely alike, and every question the
+two answered identically (the starter code aside), marked *common* where many pairs are as
+alike; each pair's cells side by side, what copydetect finds in both highlighted except the
+question's common lines (a line at least half the answers to it have, such as an import every
+answer cell starts with: ``common_lines``), which weigh little in the score too (at most
+ln 2 a fingerprint, against ln n for one only the pair has). A
+low score is not innocence: what the class commonly wrote weighs little, so a copy of a student
+whose answers are mostly the common ones scores low.
 """
 
 import dataclasses
@@ -39,6 +48,8 @@ K = 12  # fingerprints are k-grams of this many filtered chars (copydetect: 25, 
 #        files; a notebook answer is often one line)
 WINDOW = 1  # winnow window: copydetect's default (guarantee threshold = noise threshold)
 MATCH_P = 0.1  # a question "matches" for a pair when at most this share of pairs is as alike
+COMMON = 0.5  # a line at least this share of a question's answers have is nobody's evidence
+COMMON_MIN = 3  # ... among at least this many answers (two students alone share nothing common)
 MIN_CODE_CHARS = K  # filtered code shorter than one k-gram has no fingerprint
 FAMILY_ERROR = 0.01  # chance that a class without copying shows a flagged pair
 SHOWN = 10  # pairs on the page (flagged ones first)
@@ -52,6 +63,32 @@ class Match:
     code: float | None  # None: one of the two has no code of its own here
     trace: float | None  # None: no traced program for one of the two
     p: float  # share of the class's pairs at least as alike on this question
+    identical: int = 0  # the two answers are the same code: how many of the class wrote it
+    answered: int = 0  # how many of the class answered with code
+
+    @property
+    def common(self):
+        """Identical, but many pairs of the class are as alike: listed, not evidence."""
+        return self.p > MATCH_P
+
+    def words(self):
+        """'q3 (100% / –)', 'q1 (identical, common: 5 of 10 answers)'."""
+        if self.identical and self.common:
+            return f"{self.question} (identical, common: {self.held()})"
+        return f"{self.question} ({'identical · ' if self.identical else ''}" \
+               f"{_pct(self.code)} / {_pct(self.trace)})"
+
+    def held(self):
+        return f"{self.identical} of {self.answered} answers"
+
+
+@dataclasses.dataclass
+class Answer:
+    """One submission's answer to one question, as compared and as shown."""
+
+    text: str  # its cells without the released notebook's lines: fingerprinted and shown
+    fingerprint: object = None  # copydetect's CodeFingerprint of ``text``; None: too short
+    common: tuple = ()  # (start, end) of each of its lines the page never highlights
 
 
 @dataclasses.dataclass
@@ -60,7 +97,8 @@ class Pair:
     b: str
     score: float
     flagged: bool
-    matches: list  # Match, the questions where they are rarely alike, most alike first
+    matches: list  # Match: where they are rarely alike, most alike first, then the identical
+    #                answers many pairs share (``Match.common``)
 
 
 @dataclasses.dataclass
@@ -70,7 +108,7 @@ class Result:
     submissions: int
     questions: list
     compared: dict  # question -> how many submissions had something to compare
-    code: dict  # (file, question) -> (code without starter code, fingerprint)
+    code: dict  # (file, question) -> Answer
     seconds: float = 0.0
     who: dict = dataclasses.field(default_factory=dict)  # file -> its students, in words
 
@@ -94,6 +132,29 @@ def strip_template(cells, template_lines):
     return "\n".join(kept)
 
 
+def common_lines(answers):
+    """The lines (compared stripped) at least COMMON of ``answers`` (one question's, starter
+    code removed) have, among at least COMMON_MIN non-empty answers; else none."""
+    import collections
+
+    given = [a for a in answers if a]
+    if len(given) < COMMON_MIN:
+        return set()
+    held = collections.Counter(line for a in given
+                               for line in {ln.strip() for ln in a.splitlines()})
+    return {line for line, n in held.items() if n >= COMMON * len(given)}
+
+
+def _spans(text, lines):
+    """(start, end) of each line of ``text`` in ``lines`` (compared stripped)."""
+    found, at = [], 0
+    for line in text.splitlines(keepends=True):
+        if line.strip() in lines:
+            found.append((at, at + len(line)))
+        at += len(line)
+    return tuple(found)
+
+
 def _fingerprint(code, boilerplate):
     from copydetect import CodeFingerprint
 
@@ -104,6 +165,7 @@ def _fingerprint(code, boilerplate):
 def compare(records, template=None, *, seed=0):
     """The similarity check over ``records`` (Record objects with ``answers``/``programs``);
     ``template``: question -> the released notebook's cells of that question (or None)."""
+    import collections
     import time
 
     started = time.monotonic()
@@ -115,19 +177,21 @@ def compare(records, template=None, *, seed=0):
                       for line in c.splitlines() if line.strip()}
     questions = sorted({q for r in records for q in (*r.answers, *r.programs)},
                        key=_natural)
-    evidence, sims, code_of, compared = {}, {}, {}, {}
+    evidence, sims, code_of, compared, holders = {}, {}, {}, {}, {}
     for q in questions:
         boiler = np.array(sorted(_fingerprint("\n".join(template[q]), None).hashes),
                           dtype=np.int64) if template.get(q) else None
         prints, seen = [], {}  # seen: code -> its fingerprint (a class repeats short answers)
-        for r in records:
-            code = strip_template(r.answers.get(q, []), template_lines)
+        texts = [strip_template(r.answers.get(q, []), template_lines) for r in records]
+        common = common_lines(texts)
+        for r, code in zip(records, texts):
             if code not in seen:
                 fp = _fingerprint(code, boiler) if code else None
                 seen[code] = None if fp is None or len(fp.filtered_code) < MIN_CODE_CHARS \
                     else fp
             prints.append(seen[code])
-            code_of[(r.file, q)] = (code, seen[code])
+            code_of[(r.file, q)] = Answer(code, seen[code], _spans(code, common))
+        holders[q] = collections.Counter(texts)
         code_sim, code_info = _overlaps([set(fp.hashes) if fp is not None else None
                                          for fp in prints])
         trace_sim, trace_info = _overlaps(_bag_sets([r.programs.get(q) or None
@@ -154,10 +218,14 @@ def compare(records, template=None, *, seed=0):
         for q in questions:
             sim, code_sim, trace_sim = sims[q]
             p = math.exp(-evidence[q][i, j])
-            if p <= MATCH_P and sim[i, j] > 0:
+            text = code_of[(files[i], q)].text
+            same = holders[q][text] if text and text == code_of[(files[j], q)].text else 0
+            if (p <= MATCH_P and sim[i, j] > 0) or same:
                 matches.append(Match(q, float(sim[i, j]), _num(code_sim[i, j]),
-                                     _num(trace_sim[i, j]), p))
-        matches.sort(key=lambda m: (m.p, -m.similarity))
+                                     _num(trace_sim[i, j]), p, same,
+                                     sum(holders[q].values()) - holders[q][""]))
+        # the rare first, most alike first; then the identical answers many others wrote
+        matches.sort(key=lambda m: (m.common, m.p, -m.similarity))
         pairs.append(Pair(files[i], files[j], s, flagged, matches))
     return Result(pairs, threshold, n, questions, compared, code_of,
                   time.monotonic() - started)
@@ -259,15 +327,22 @@ def section(result, link):
            "and as traced programs (jax.make_jaxpr, names and constants normalised). A pair's "
            "score adds up how rarely pairs of this class are as alike on each question; a "
            f"pair is flagged above {result.threshold:.1f}, which classes with the same answers "
-           f"shuffled among students reach {FAMILY_ERROR:.0%} of the time.</p>"]
+           f"shuffled among students reach {FAMILY_ERROR:.0%} of the time. Questions answered "
+           "identically are listed too, marked <i>common</i> where many pairs are as alike. "
+           "Each pair opens to its cells side by side; the starter code and the lines at least "
+           f"{COMMON:.0%} of a question's answers have (such as an import every cell starts "
+           "with) are never highlighted.</p>",
+           '<p class="sub low"><b>A low score does not mean a pair worked alone.</b> What most '
+           "of the class wrote counts for little, so a copy of a student whose answers are "
+           "mostly the common ones scores low, below honest pairs that share one rare answer; "
+           "read the identical answers of the pairs listed, not only the flags.</p>"]
     if not result.pairs:
         out.append('<p class="none">Fewer than two submissions to compare.</p></section>')
         return "".join(out)
     out.append('<table class="pairs"><thead><tr><th>pair</th><th class="num">score</th>'
                "<th>questions alike (similarity: code / program)</th></tr></thead><tbody>")
     for k, p in enumerate(result.pairs):
-        qs = ", ".join(f"{e(m.question)} ({_pct(m.code)} / {_pct(m.trace)})"
-                       for m in p.matches) or "none rarely alike"
+        qs = ", ".join(e(m.words()) for m in p.matches) or "none rarely alike"
         mark = '<b class="flag">flagged</b> ' if p.flagged else ""
         out.append(f'<tr data-pair="{k}" data-a="{e(p.a)}" data-b="{e(p.b)}" '
                    f'data-flagged="{int(p.flagged)}"><td>{mark}<a href="{e(link(p.a))}">'
@@ -276,15 +351,20 @@ def section(result, link):
                    f'<td class="num">{p.score:.1f}</td><td>{qs}</td></tr>')
     out.append("</tbody></table>")
     for k, p in enumerate(result.pairs):
-        if not p.flagged or not p.matches:
-            continue
+        matched = {m.question: m for m in p.matches}
+        rest = [q for q in result.questions if q not in matched and
+                any(getattr(result.code.get((f, q)), "text", "") for f in (p.a, p.b))]
         out.append(f'<details class="side" data-pair="{k}"{" open" if k == 0 else ""}>'
-                   f"<summary>{e(result.named(p.a))} and {e(result.named(p.b))}: the "
-                   "matching cells</summary>")
-        for m in p.matches:
-            left, right = _highlighted(result, p.a, p.b, m.question)
-            out.append(f'<h3>{e(m.question)} · code {_pct(m.code)} · program {_pct(m.trace)}'
-                       f' · as alike as {m.p:.0%} of pairs</h3><div class="sbs">'
+                   f"<summary>{e(result.named(p.a))} and {e(result.named(p.b))} (score "
+                   f"{p.score:.1f}): their cells side by side</summary>")
+        for q in [*matched, *rest]:
+            m = matched.get(q)
+            left, right = _highlighted(result, p.a, p.b, q)
+            about = (f"identical, common: {m.held()} · as alike as {m.p:.0%} of pairs"
+                     if m.common else f"{'identical · ' if m.identical else ''}code "
+                     f"{_pct(m.code)} · program {_pct(m.trace)} · as alike as {m.p:.0%} of "
+                     "pairs") if m else "not rarely alike"
+            out.append(f'<h3>{e(q)} · {e(about)}</h3><div class="sbs">'
                        f'<div><div class="who">{e(result.named(p.a))}</div><pre>{left}</pre>'
                        f'</div><div><div class="who">{e(result.named(p.b))}</div>'
                        f"<pre>{right}</pre></div></div>")
@@ -298,24 +378,35 @@ def _pct(x):
 
 
 def _highlighted(result, a, b, q):
-    """Both answers to ``q`` escaped, copydetect's overlapping slices in <mark>."""
+    """Both answers to ``q`` escaped, what copydetect finds in both in <mark>, except the
+    question's common lines (starter code is not shown at all)."""
     from copydetect import compare_files
-    from copydetect.utils import highlight_overlap
 
-    code_a, fp_a = result.code.get((a, q), ("", None))
-    code_b, fp_b = result.code.get((b, q), ("", None))
-    if fp_a is None or fp_b is None:
-        return html.escape(code_a) or "(no code of its own)", \
-            html.escape(code_b) or "(no code of its own)"
-    _, _, (slices_a, slices_b) = compare_files(fp_a, fp_b)
-    shown = []
-    for code, slices in ((code_a, slices_a), (code_b, slices_b)):
-        if slices.size == 0:
-            shown.append(html.escape(code))
-        else:
-            shown.append(highlight_overlap(code, slices.astype(int), "<mark>", "</mark>",
-                                           escape_html=True)[0])
-    return shown[0], shown[1]
+    none = Answer("")
+    first, second = result.code.get((a, q)) or none, result.code.get((b, q)) or none
+    marked = [set(), set()]
+    if first.fingerprint is not None and second.fingerprint is not None:
+        _, _, slices = compare_files(first.fingerprint, second.fingerprint)
+        for answer, found, chars in zip((first, second), slices, marked):
+            for start, end in (found.T.astype(int) if found.size else ()):
+                chars.update(range(start, end))
+            for start, end in answer.common:
+                chars.difference_update(range(start, end))
+    return tuple(_marked(answer.text, chars) if answer.text else "(no code of its own)"
+                 for answer, chars in zip((first, second), marked))
+
+
+def _marked(text, chars):
+    """``text`` escaped, the runs of the characters at ``chars`` in <mark>."""
+    out, run = [], None
+    for i, ch in enumerate(text + "\0"):
+        hit = i in chars and ch != "\n"
+        if hit != run:
+            out.append("<mark>" if hit else "</mark>" if run else "")
+            run = hit
+        if i < len(text):
+            out.append(html.escape(ch))
+    return "".join(out)
 
 
 CSS = """
@@ -347,7 +438,8 @@ def write_csv(out, result):
                     "b_students"])
         for p in result.pairs:
             w.writerow([p.a, p.b, f"{p.score:.2f}", int(p.flagged), f"{result.threshold:.2f}",
-                        " ".join(m.question for m in p.matches), result.who.get(p.a, ""),
+                        " ".join(m.question + (" (common)" if m.common else "")
+                                 for m in p.matches), result.who.get(p.a, ""),
                         result.who.get(p.b, "")])
     return path
 
@@ -361,7 +453,9 @@ def print_pairs(result):
     for col in ("pair", "score", "flagged", "questions alike (code / program)"):
         t.add_column(col, justify="right" if col == "score" else "left")
     for p in result.pairs:
-        t.add_row(f"{result.named(p.a)}  ·  {result.named(p.b)}", f"{p.score:.1f}", "yes" if p.flagged else "",
-                  ", ".join(f"{m.question} ({_pct(m.code)} / {_pct(m.trace)})"
-                            for m in p.matches))
+        t.add_row(f"{result.named(p.a)}  ·  {result.named(p.b)}", f"{p.score:.1f}",
+                  "yes" if p.flagged else "", ", ".join(m.words() for m in p.matches))
     Console().print(t)
+    print("A low score does not mean a pair worked alone: what most of the class wrote counts "
+          "for little, so read the identical answers listed (marked common), not only the "
+          "flags.")

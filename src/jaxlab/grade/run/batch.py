@@ -38,7 +38,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
           compile_cache=True, warm_up=None, xla_threads=None, pin_cpus=None,
           sandbox=Mode.AUTO.value, resource_caps=True, shard=None, show=True, only=None,
           deadline=None, late_penalty=None, grace=None, late_cap=None, cutoff=None,
-          extensions=None, canvas_roster=None, template=None):
+          extensions=None, canvas_roster=None, canvas_assignment=None, template=None):
     """Grade every submission under ``paths`` into ``output_dir``; True when the batch ran.
 
     ``shard``: ``"K/N"`` grades only the submissions of shard K of N (``shard.shard_of``) and
@@ -57,7 +57,9 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     A Gradescope export among ``paths`` (``engine.gradescope``) gives each row its students and
     submission time; ``deadline``, ``late_penalty``, ``grace``, ``late_cap``, ``cutoff`` and
     ``extensions`` make the late policy (``run.course.policy_of``), ``canvas_roster`` a Canvas
-    gradebook export to take students' Canvas IDs from. ``only``: names of submissions, export
+    gradebook export to take students' Canvas IDs and the assignment's column from,
+    ``canvas_assignment`` that column's title (``run.course.canvas_column``: checked before
+    anything is graded). ``only``: names of submissions, export
     folders or students (name, email or SID) to grade again, leaving every other record as it
     is. ``template``: the student notebook as released, whose code the similarity check leaves
     out (default: the shipped one beside the autograder zip).
@@ -68,13 +70,19 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
     out = pathlib.Path(output_dir)
     export = gradescope.find(paths, shards.state_dir(out) / "export")
     roster = export.roster if export else None
+    # graded from an earlier export, lacking from this one: kept, their students in the roster
+    kept = course.graded_before(out, [s.file for s in export.submissions]) if export else {}
+    if kept:
+        roster = course.with_graded_before(roster, kept)
     # checked before anything is graded: a bad deadline or extension costs nothing
     policy = course.policy_of(out, roster, deadline=deadline, late_penalty=late_penalty,
                               grace=grace, late_cap=late_cap, cutoff=cutoff,
                               extensions=extensions)
-    canvas = course.canvas_roster_of(out, canvas_roster)
+    canvas = course.canvas_of(out, canvas_roster, canvas_assignment)
     if export:
-        gradescope.say(export.warnings)
+        entries = {sub.entry for sub, _ in kept.values()}
+        gradescope.say(export.warnings + [w for e, w in export.absent.items() if e not in entries])
+        course.say_kept(kept)
     everything = export.submissions if export else collect(paths, exclude=[out])
     if not everything:
         print("jaxlab grade: no .ipynb or .zip submissions found", file=sys.stderr)
@@ -104,11 +112,13 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         print(f"jaxlab grade: {reason}", file=sys.stderr)
     row_notes = [n for n in (isolation.status, *uncapped) if n]
     zip_path = autograder or shipped_autograder(assignment, [s.path for s in everything])
+    column = course.canvas_column(canvas, course.lab_name(zip_path))
     state = shards.state_dir(out)
     (state / shards.RECORDS).mkdir(parents=True, exist_ok=True)
     if roster is not None:
         course.keep_roster(out, roster)
     course.keep_policy(out, policy)
+    course.keep_canvas(out, canvas)
     course.keep_template(out, template or course.shipped_template(zip_path))
     # named by this process: its cgroup and its kernels' mounts say whose they are
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"{cgroup.BATCH_PREFIX}{os.getpid()}-"))
@@ -185,7 +195,7 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
                 # (2,000 rows take seconds; `jaxlab report` rebuilds it from the records)
                 if whole and time.monotonic() - csv_at >= 10 * csv_took:
                     csv_at = time.monotonic()
-                    write_csv(out, _ordered(records, subs), ag, roster, policy)
+                    write_csv(out, _ordered(records, subs, kept), ag, roster, policy)
                     csv_took = time.monotonic() - csv_at
                 bar.update()
         for t in slots:
@@ -193,8 +203,8 @@ def grade(*, paths, output_dir="grades", workers=None, timeout=Limits.timeout,
         manifest.finished = time.time()
         shards.write_manifest(out, manifest)
         if whole:
-            course.write_class_files(out, _ordered(records, subs), ag, policy=policy,
-                                     canvas_roster=canvas, show=show)
+            course.write_class_files(out, _ordered(records, subs, kept), ag, policy=policy,
+                                     canvas_roster=canvas.rows, canvas_column=column, show=show)
             if show:
                 print_table(question_table(_ordered(records, subs), ag))
         elif show:
@@ -281,8 +291,10 @@ def _grade_one(settings, job):
     return _read_record(job) if ok else None
 
 
-def _ordered(records, subs):
-    return [records[s.file] for s in subs if s.file in records]
+def _ordered(records, subs, kept=None):
+    """The records of ``subs`` in their order, then those ``kept`` (``course.graded_before``)."""
+    return [records[s.file] for s in subs if s.file in records] + \
+        [record for _, record in (kept or {}).values()]
 
 
 def _worker_env(settings):

@@ -4,15 +4,18 @@
 
 ``.jaxlab/roster.json`` (``model.Roster``), ``.jaxlab/late-policy.json`` (``output.late.Policy``,
 written when a deadline is given, replaced by the next one given; ``--extensions`` alone
-updates its extensions) and ``.jaxlab/canvas-roster.csv`` (a copy of the last one given).
+updates its extensions), ``.jaxlab/canvas-roster.csv`` (a copy of the last one given) and
+``.jaxlab/canvas-assignment.txt`` (the last ``--canvas-assignment`` given).
 """
 
 import dataclasses
+import json
 import pathlib
 import sys
+import zipfile
 
-from ..model import Roster, write_atomically
-from ..output import late
+from ..model import Record, Roster, write_atomically
+from ..output import canvas as canvas_columns, late
 from ..output.classreport import write_class_report
 from ..output.gradebook import read_canvas_roster
 from . import shard as shards
@@ -20,6 +23,7 @@ from . import shard as shards
 ROSTER = "roster.json"
 POLICY = "late-policy.json"
 CANVAS = "canvas-roster.csv"
+CANVAS_ASSIGNMENT = "canvas-assignment.txt"
 
 
 def roster_of(out):
@@ -31,6 +35,45 @@ def keep_roster(out, roster):
     path = shards.state_dir(out) / ROSTER
     path.parent.mkdir(parents=True, exist_ok=True)
     roster.write(path)
+
+
+KEPT = "not in the latest export: graded from an earlier one, kept"  # grading_status
+
+
+def graded_before(out, present):
+    """The submissions the roster kept in ``out`` names that the export graded now lacks
+    (``present``: its file keys; one whose folder is there is not lacking) and that were graded:
+    {file: (Submitted, its record with KEPT in its grading_status)}. A student once graded
+    stays in the class's files; the record, written when it was graded, is read from there."""
+    old = roster_of(out)
+    folders = {f.split("/")[0] for f in present}
+    found = {}
+    for file, sub in (old.files.items() if old else ()):
+        if file in present or file.split("/")[0] in folders:
+            continue
+        try:
+            record = Record.read(shards.state_dir(out) / shards.RECORDS /
+                                 f"{shards.record_key(file)}.json")
+        except (OSError, ValueError, TypeError, KeyError):  # never graded: nothing to keep
+            continue
+        if record.file == file:
+            found[file] = (sub, dataclasses.replace(
+                record, status=f"{KEPT}; {record.status}" if record.status else KEPT))
+    return found
+
+
+def with_graded_before(roster, kept):
+    """``roster`` with the students of ``kept`` (``graded_before``)."""
+    return Roster(roster.source, {**roster.files, **{f: sub for f, (sub, _) in kept.items()}})
+
+
+def say_kept(kept, who="jaxlab grade"):
+    """One line per submission ``graded_before`` keeps, naming its students."""
+    for file, (sub, _) in kept.items():
+        names = ", ".join(s.name or s.email or s.sid for s in sub.students) or "no student named"
+        print(f"{who}: {names} ({sub.entry or file}): not in this export; graded before, so "
+              "the row stays in final_grades.csv, gradescope_scores.csv and canvas_grades.csv, "
+              "marked in grading_status", file=sys.stderr)
 
 
 def policy_of(out, roster, *, deadline=None, late_penalty=None, grace=None, late_cap=None,
@@ -84,27 +127,72 @@ def keep_policy(out, policy):
         policy.write(shards.state_dir(out) / POLICY)
 
 
-def canvas_roster_of(out, given=None):
-    """The Canvas gradebook export to match students with: ``given`` (kept for next time),
-    else the one kept; None without either."""
-    kept = shards.state_dir(out) / CANVAS
-    if given is not None:
-        rows = read_canvas_roster(given)
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(kept, pathlib.Path(given).read_bytes())
-        return rows
-    return read_canvas_roster(kept) if kept.is_file() else None
+@dataclasses.dataclass(frozen=True)
+class Canvas:
+    """Canvas's side of a course: its gradebook export and which assignment column to fill."""
+
+    roster: pathlib.Path | None = None  # the export given, else the copy kept; None: neither
+    rows: list | None = None  # its students' rows (``gradebook.read_canvas_roster``)
+    title: str | None = None  # --canvas-assignment, given or kept
+    given: bool = False  # whether ``roster`` was given now (kept once everything is checked)
+    title_given: bool = False
+
+
+def canvas_of(out, given=None, title=None):
+    """Canvas's side of the course in ``out``: the gradebook export ``given``, else the one
+    kept, and the ``title`` of its column to fill (--canvas-assignment), else the one kept.
+    Reads only: ``keep_canvas`` keeps what was given once ``canvas_column`` accepted it."""
+    state = shards.state_dir(out)
+    roster = pathlib.Path(given) if given is not None else \
+        state / CANVAS if (state / CANVAS).is_file() else None
+    kept_title = state / CANVAS_ASSIGNMENT
+    return Canvas(roster, read_canvas_roster(roster) if roster else None,
+                  title if title is not None else
+                  kept_title.read_text(encoding="utf-8") if kept_title.is_file() else None,
+                  given is not None, title is not None)
+
+
+def canvas_column(canvas, lab):
+    """The title of canvas_grades.csv's assignment column: with a Canvas gradebook export, the
+    exact title of its column for ``lab`` (``output.canvas.column``, which refuses an export
+    none of whose columns match); without, --canvas-assignment's, else the lab's name."""
+    lab = lab or "assignment"
+    if canvas.roster is None:
+        return canvas.title or lab
+    return canvas_columns.column(canvas.roster, lab, canvas.title)
+
+
+def keep_canvas(out, canvas):
+    """Keep the Canvas gradebook export and --canvas-assignment given, for later reports."""
+    state = shards.state_dir(out)
+    state.mkdir(parents=True, exist_ok=True)
+    if canvas.given:
+        write_atomically(state / CANVAS, canvas.roster.read_bytes())
+    if canvas.title_given:
+        write_atomically(state / CANVAS_ASSIGNMENT, canvas.title)
+
+
+def lab_name(zip_path):
+    """The assignment name an autograder zip's otter_config.json gives (None without one):
+    known before the zip is opened, so that Canvas's column is checked before grading."""
+    with zipfile.ZipFile(zip_path) as zf:
+        try:
+            return json.loads(zf.read("otter_config.json")).get("assignment_name")
+        except KeyError:
+            return None
 
 
 def write_class_files(out, records, autograder, *, waiting=(), policy=None, canvas_roster=None,
-                      template=None, show=True):
+                      canvas_column=None, template=None, show=True):
     """The class's files (``output.classreport``) with what the course keeps in ``out``, the
-    similarity check's section on the page."""
+    similarity check's section on the page; ``canvas_column``: the title of canvas_grades.csv's
+    assignment column (``canvas_column``)."""
     out = pathlib.Path(out)
     roster = roster_of(out)
     found = similar(out, records, template)
     unmatched = write_class_report(out, records, autograder, waiting=waiting, roster=roster,
-                                   policy=policy, canvas_roster=canvas_roster, similar=found)
+                                   policy=policy, canvas_roster=canvas_roster,
+                                   canvas_column=canvas_column, similar=found)
     if found is not None and found.flagged and show:
         print(f"jaxlab: {len(found.flagged)} pair(s) of submissions are more alike than the "
               f"task forces; see 'Similar submissions' in {out / 'report.html'}",
