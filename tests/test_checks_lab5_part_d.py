@@ -389,3 +389,28 @@ def test_a_warm_compilation_cache_does_not_change_what_a_script_without_gloo_is_
     ev = lab5.probe("q9_multi_process",
                     {"train_script": corpus_script("wrong", "no_cpu_collectives")})
     assert "needs the gloo collectives to compute across processes" in verdict_message(ev)
+
+
+def test_a_pair_waiting_for_each_other_is_stopped_once_it_uses_no_cpu(monkeypatch):
+    """Both processes idle (here asleep; in a real script, each in a collective the other never
+    joins) are stuck: stopped after PD_STUCK_SECONDS without CPU, well before PD_TIMEOUT."""
+    script = "import time\nprint('waiting', flush=True)\ntime.sleep(600)\n"
+    start = time.monotonic()
+    ev = lab5.probe("q9_multi_process", {"train_script": script})
+    took = time.monotonic() - start
+    assert lab5.PD_STUCK_SECONDS <= took < lab5.PD_STUCK_SECONDS + 20 < lab5.PD_TIMEOUT
+    fresh = ev["fresh"]
+    assert fresh["stuck"] >= lab5.PD_STUCK_SECONDS and not fresh["timed_out"]
+    assert fresh["still_running"] == [0, 1]
+    message = verdict_message(ev)
+    assert message.startswith("`train_script` got stuck on new data")
+    assert "both processes had used no CPU for" in message and "were stopped" in message
+    assert "process 0 last printed 'waiting'" in message
+    assert not leftover_processes()
+
+
+def test_a_busy_pair_is_not_stuck():
+    script = ("import time\nend = time.monotonic() + 2 * " + str(lab5.PD_STUCK_SECONDS) +
+              "\nwhile time.monotonic() < end:\n    pass\n")
+    ev = lab5.probe("q9_multi_process", {"train_script": script})
+    assert ev["fresh"]["returncodes"] == [0, 0] and not ev["fresh"]["stuck"]

@@ -1250,6 +1250,16 @@ PD_TRAIN_ATOL = 1e-5
 # never comes (jax.distributed.initialize waits 300 s by default) is stopped at PD_TIMEOUT
 PD_TIMEOUT = 120
 PD_GRACE = 5  # seconds the other process gets to finish once one process failed
+# Two processes that wait for each other (a collective one of them never reaches, arrays of
+# other global shapes in the two, one process gone while the other waits) use no CPU: measured,
+# a pair stuck in a mismatched all-reduce used 0.005 CPU-s a second each, until XLA gave up
+# after ~30 s (a process that never connects: PD_TIMEOUT). A training pair uses a core, and at
+# Gradescope's half a core beside the kernel still ~0.15 CPU-s a second each. So the pair is
+# stopped once its running processes together used less than PD_STUCK_CPU seconds of CPU in
+# PD_STUCK_SECONDS: the student hears why in seconds, not minutes (where /proc cannot be read,
+# only PD_TIMEOUT stops them)
+PD_STUCK_SECONDS = 10
+PD_STUCK_CPU = 0.1
 PD_LOG_TAIL = 4000  # characters of each process's output kept as evidence
 PD_SCRIPT = "pd_train.py"
 PD_MODEL = "pd_model.py"
@@ -1462,9 +1472,24 @@ def _pd_env():
     return env
 
 
+def _pd_cpu_seconds(pids):
+    """CPU seconds (user and system, every thread) the processes ``pids`` have used, read from
+    /proc; None where it cannot be read."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+    return total
+
+
 def _pd_run_processes(argvs, cwd, logs, timeout=PD_TIMEOUT):
     """Start one process per argv, all at once; wait until all exit, one fails (the others get
-    PD_GRACE seconds more) or ``timeout`` passes; kill what is left. Returns plain data."""
+    PD_GRACE seconds more), those still running are stuck waiting for each other (PD_STUCK_*)
+    or ``timeout`` passes; kill what is left. Returns plain data."""
     procs = []
     try:
         for argv, log in zip(argvs, logs):
@@ -1473,7 +1498,8 @@ def _pd_run_processes(argvs, cwd, logs, timeout=PD_TIMEOUT):
                     argv, cwd=cwd, env=_pd_env(), stdout=out, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, start_new_session=True))
         start = time.monotonic()
-        deadline, first_failed = start + timeout, None
+        deadline, first_failed, stuck = start + timeout, None, None
+        progress = None  # (the running processes, when they last used the CPU, its total then)
         # poll every process each round (any() would stop at the first one still running)
         while None in [p.poll() for p in procs] and time.monotonic() < deadline:
             if first_failed is None:
@@ -1481,6 +1507,15 @@ def _pd_run_processes(argvs, cwd, logs, timeout=PD_TIMEOUT):
                 if failed:
                     first_failed = failed[0]
                     deadline = min(deadline, time.monotonic() + PD_GRACE)
+            now = time.monotonic()
+            running = tuple(p.pid for p in procs if p.returncode is None)
+            cpu = _pd_cpu_seconds(running)
+            if cpu is not None and first_failed is None:
+                if progress is None or progress[0] != running or cpu - progress[2] >= PD_STUCK_CPU:
+                    progress = (running, now, cpu)
+                elif now - progress[1] >= PD_STUCK_SECONDS:
+                    stuck = round(now - progress[1], 1)
+                    break
             time.sleep(0.05)
         if first_failed is None:
             failed = [i for i, p in enumerate(procs) if p.poll()]
@@ -1496,8 +1531,9 @@ def _pd_run_processes(argvs, cwd, logs, timeout=PD_TIMEOUT):
                     p.kill()
                 p.wait()
     return {"returncodes": [p.returncode for p in procs], "still_running": running,
-            "timed_out": bool(running) and first_failed is None, "first_failed": first_failed,
-            "seconds": round(seconds, 2)}
+            "timed_out": bool(running) and first_failed is None and stuck is None,
+            "stuck": stuck if running and first_failed is None else None,
+            "first_failed": first_failed, "seconds": round(seconds, 2)}
 
 
 def _pd_read_log(path):
@@ -1625,11 +1661,23 @@ def _pd_error_of(log, folder):
 
 def _pd_ran(fresh):
     rows = len(fresh["x"])
+    last = [next((ln.strip() for ln in reversed(log.splitlines()) if ln.strip()), None)
+            for log in fresh["logs"]]
+    printed = "; ".join(f"process {i} last printed {text[:160]!r}" if text
+                        else f"process {i} printed nothing" for i, text in enumerate(last))
+    if fresh.get("stuck"):
+        waiting = fresh["still_running"]
+        both = len(waiting) == len(fresh["returncodes"])
+        who = "both processes" if both else f"process {waiting[0]} (the other had exited)"
+        _pd_fail(f"`train_script` got stuck on new data ({rows} rows): after "
+                 f"{fresh['seconds']:g} s, {who} had used no CPU for {fresh['stuck']:g} s, "
+                 f"waiting, and {'were' if both else 'was'} stopped ({printed}); expected both "
+                 f"processes to train "
+                 f"{PD_STEPS} steps side by side and exit. Processes wait like that for each "
+                 "other when one of them never reaches a computation the other is in (every "
+                 "jitted step over the global arrays runs in both processes, each on its own "
+                 "rows), or when their arrays' global shapes differ.")
     if fresh["timed_out"]:
-        last = [next((ln.strip() for ln in reversed(log.splitlines()) if ln.strip()), None)
-                for log in fresh["logs"]]
-        printed = "; ".join(f"process {i} last printed {text[:160]!r}" if text
-                            else f"process {i} printed nothing" for i, text in enumerate(last))
         _pd_fail(f"`train_script` was still running after {fresh['timeout']:g} s on new data "
                  f"({rows} rows) and was stopped ({printed}); expected it to train {PD_STEPS} "
                  "steps and exit within seconds. A process that waits for ever is usually "
