@@ -3,21 +3,18 @@
 import pathlib
 import shlex
 import sys
-import time
 
 from .. import corpus
 from .analysis import Analysis, analyse  # noqa: F401  (the API)
 
 
-def _question_line(console, lines, counts):
+def _question_line(console, outcomes):
     """'q1_remat_scan: 31 mutants, 29 killed, 2 survived, 95 s' for the question just done."""
-    if lines["question"] is not None:
-        killed = counts["killed"] - lines["counts"]["killed"]
-        survived = counts["survived"] - lines["counts"]["survived"]
-        console.print(f"{lines['question']}: {killed + survived} mutants, {killed} killed, "
-                      f"{survived} survived, {time.monotonic() - lines['start']:.0f} s",
-                      highlight=False)
-    lines["start"], lines["counts"] = time.monotonic(), dict(counts)
+    if outcomes:
+        killed = sum(o.status == "killed" for o in outcomes)
+        console.print(f"{outcomes[0].question}: {len(outcomes)} mutants, {killed} killed, "
+                      f"{len(outcomes) - killed} survived, "
+                      f"{sum(o.seconds for o in outcomes):.0f} s", highlight=False)
 
 
 def report_path(root, lab):
@@ -45,20 +42,21 @@ def mutants(lab, *, root=".", questions=None, operators=None, report=None, conso
     # bars on a terminal; in a log (CI, a batch job), a line per question as it finishes
     with Progress(*columns, console=console, disable=not console.is_terminal) as bars:
         task = bars.add_task(lab, total=None, killed=0, survived=0)
-        lines = {"question": None, "start": time.monotonic(), "counts": dict(counts)}
+        done = []  # the outcomes of the question under way, for a log's line
 
-        def progress(outcome, done, total):
-            if not console.is_terminal and outcome.question != lines["question"]:
-                _question_line(console, lines, counts)
-                lines["question"] = outcome.question
+        def progress(outcome, finished, total):
+            if not console.is_terminal and done and outcome.question != done[0].question:
+                _question_line(console, done)
+                done.clear()
+            done.append(outcome)
             counts["killed" if outcome.status == "killed" else "survived"] += 1
-            bars.update(task, completed=done, total=total,
+            bars.update(task, completed=finished, total=total,
                         description=f"{lab} {outcome.question}", **counts)
 
         analysis = analyse(lab, root=root, questions=questions, operators=operators,
                            progress=progress)
         if not console.is_terminal:
-            _question_line(console, lines, counts)
+            _question_line(console, done)
     from .report import markdown, terminal
 
     terminal(analysis, console)
