@@ -1017,7 +1017,7 @@ params_single = train(params, x_train, y_train)
 
 # %% [markdown]
 # **Task 8** (`q8_sharded_training`). Train the same network data-parallel with automatic
-# parallelisation:
+# parallelisation (a mesh whose axes are `Auto`, as in Task 5):
 #
 # * `x_train_sharded`, `y_train_sharded`: the training data, split along the batch dimension
 #   over **all** the devices;

@@ -853,7 +853,7 @@ print("a weight matrix, sharded by rows:", params_fsdp[0][0].sharding.shard_shap
 # `mesh_batch`: parameters **and** batch sharded along their first axis (`P('batch')`); inside,
 # gather each `W` and `b` with `jax.lax.all_gather(..., tiled=True)` just before using it, and
 # combine the per-device losses with a collective as in Task 7. Same loss and gradient as
-# `loss`.
+# `loss`, for any batch size divisible by 8.
 
 # %% [raw]
 # # BEGIN SOLUTION

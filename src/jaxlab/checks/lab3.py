@@ -643,6 +643,14 @@ def _q8(ev):
     if math.prod(sev["mesh_shape"]) != 8:
         _fail(f"`x_train_sharded` lives on {_mesh_words(sev)}, i.e. on "
               f"{math.prod(sev['mesh_shape'])} devices; expected it split over all 8 devices.")
+    explicit = [a for a, t in zip(sev["axis_names"], sev["axis_types"]) if t != "Auto"]
+    if explicit:
+        _fail(f"the mesh of `x_train_sharded` has {'the' if len(explicit) == 1 else ''} "
+              f"{', '.join(repr(a) for a in explicit)} "
+              f"{'axis' if len(explicit) == 1 else 'axes'} of type "
+              f"{sev['axis_types'][sev['axis_names'].index(explicit[0])]}; expected automatic "
+              "parallelisation, as the task says: a mesh whose axes are Auto (pass "
+              "axis_types=(AxisType.Auto,) to jax.make_mesh, as in Task 5).")
     all_axes = tuple(sev["axis_names"])
     for name, value, label in (("x_train_sharded", x, "x_train"), ("y_train_sharded", y, "y_train")):
         _close(name, ev[name], value, f"the training data `{label}`")

@@ -45,6 +45,10 @@ CONV_LENGTHS = (7, 3, 12)
 SUM_LENGTHS = (96, 8)
 # Task 7, "any batch size divisible by 8": 8 is one example per device.
 DP_BATCHES = (FRESH_BATCH, 8)
+# Task 8, the same: 16 rows are 2 per device. At 64 a device holds 8 rows of 8 outputs, a square
+# block on which a loss summed over the examples and averaged over the outputs (axis=0 for
+# axis=-1, found by mutation) equals the right one
+FSDP_BATCHES = (FRESH_BATCH, 16)
 # Tasks 3-6: lhs and rhs of other shapes than the notebook's (every dimension divisible by 8)
 MATMUL_SHAPES = ((48, 64), (64, 24))
 # Task 10: one step of `update` on a new batch of this many rows
@@ -188,7 +192,7 @@ def _probe_matmul(name, lhs_spec):
     return probe_fn
 
 
-LOSS_BATCHES = {"loss_dp": DP_BATCHES, "loss_fsdp": (FRESH_BATCH,), "loss_tp": (FRESH_BATCH,)}
+LOSS_BATCHES = {"loss_dp": DP_BATCHES, "loss_fsdp": FSDP_BATCHES, "loss_tp": (FRESH_BATCH,)}
 LOSS_LAYOUTS = {  # question: (mesh axis, params spec, inputs spec, targets spec)
     "loss_dp": ("batch", (), ("batch",), ("batch",)),
     "loss_fsdp": ("batch", ("batch",), ("batch",), ("batch",)),
