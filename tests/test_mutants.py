@@ -23,6 +23,12 @@ def test_a_comparison_is_made_strict_and_a_guard_removed():
         namespace["f"](0)
 
 
+def test_a_range_is_off_by_one_at_its_end():
+    found = {after for _, after in changes("for i in range(1, n):\n    s += i\n", "range")}
+    assert found == {"range(1, (n) + 1)", "range(1, (n) - 1)"}
+    assert changes("for i in range(8):\n    s += i\n", "range") == set()
+
+
 def test_a_returned_number_loses_its_python_type():
     cell = "def f(x):\n    return float(np.sum(x)), int(x.size)\n"
     found = changes(cell, "conversion")
@@ -47,13 +53,14 @@ def test_sharding_collectives_and_rings_have_their_conceptual_mutants():
     collective = {after for _, after in changes(cell, "collective")}
     assert {'lax.pmean(x, "model")', 'lax.all_gather(x, "model")', 'lax.psum(z, "data")'} \
         <= collective
-    assert ('lax.psum(x, "model")', "lax.psum(x, 'data')") in changes(cell, "axis-name")
+    assert ('psum(..., "model")', "psum(..., 'data')") in changes(cell, "axis-name")
     rings = [m for m in ops.mutants(cell, ["ppermute"])]
     assert len(rings) == 2
     for ring, expected in zip(rings, ([(1, 0), (2, 1), (3, 2), (0, 3)],
                                       [(0, 2), (1, 3), (2, 0), (3, 1)])):
-        perm_text = ring.after.split("perm=", 1)[1][:-1]
-        assert [tuple(p) for p in eval(perm_text)] == expected
+        assert ring.before == "perm=[(i, (i + 1) % 4) for i in range(4)]"
+        assert [tuple(p) for p in eval(ring.after.split("perm=", 1)[1])] == expected
+        assert ring.after in ring.code
 
 
 def test_jit_and_checkpoint_are_removed_and_the_policy_changed():
@@ -61,10 +68,12 @@ def test_jit_and_checkpoint_are_removed_and_the_policy_changed():
             "g = jax.checkpoint(h, policy=jax.checkpoint_policies.save_only_these_names('a'))\n")
     jit = ops.mutants(cell, ["jit"])
     assert len(jit) == 1 and "@jax.jit" not in jit[0].code
-    after = {m.after for m in ops.mutants(cell, ["checkpoint"])}
-    assert "h" in after
-    assert "jax.checkpoint(h, policy=jax.checkpoint_policies.dots_saveable)" in after
-    assert "jax.checkpoint(h)" in after
+    assert (jit[0].before, jit[0].after, jit[0].line) == ("@jax.jit", "(decorator removed)", 1)
+    found = {m.after: m for m in ops.mutants(cell, ["checkpoint"])}
+    assert "h" in found and "(no policy)" in found
+    assert "jax.checkpoint(h)" in found["(no policy)"].code
+    dots = found["policy=jax.checkpoint_policies.dots_saveable"]
+    assert "jax.checkpoint(h, policy=jax.checkpoint_policies.dots_saveable)" in dots.code
 
 
 def test_the_unrolled_scan_computes_what_lax_scan_does():
@@ -178,3 +187,28 @@ def test_math_and_numpy_trade_places():
 def test_what_a_cell_only_prints_is_not_mutated():
     found = ops.mutants('t = f(x) * 2\nprint(f"{t * 1e3:.1f} ms", t / 2)\n')
     assert found and all(m.line == 1 for m in found)
+
+
+# --------------------------------------------------------------------------- the tool, for real
+@pytest.mark.slow
+def test_one_question_analysed_with_the_shipped_checks_kills_or_decides_every_mutant(graded):
+    """`jaxlab mutants` on Lab 6's q9, in the corpus's own kernel: every mutant is graded by
+    the shipped checks, and the issue's known kinds are killed (a comparison made strict, a
+    guard removed, a plain Python number turned into a NumPy one)."""
+    from jaxlab import corpus
+
+    lab, question = "lab6-memory", "q9_roofline"
+    graded(corpus.load_answers(lab)[0])  # starts the lab's kernel (the corpus shares it)
+    harness = graded.harnesses[lab]
+    result = analysis.analyse(lab, questions=[question], harness=harness)
+    assert len(result.outcomes) >= 30 and {o.question for o in result.outcomes} == {question}
+    assert result.of("gap") == [] and result.of("undecided") == [], [
+        (o.mutant.change, o.detail) for o in result.of("gap") + result.of("undecided")]
+    killed = {o.mutant.change: o.detail for o in result.of("killed")}
+    assert "raised ZeroDivisionError" in killed["slope <= 0  ->  slope < 0"]
+    assert "expected None" in killed["if slope <= 0: return None  ->  (removed)"]
+    assert "expected an int" in killed["math.ceil(peak * D * F / slope)  ->  "
+                                       "np.ceil(peak * D * F / slope)"]
+    # the kernel holds the solution again: the corpus goes on from there
+    assert harness.run_tests([question])[question]["score"] == \
+        harness.solution_results[question]["score"]

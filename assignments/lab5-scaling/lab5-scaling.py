@@ -59,6 +59,7 @@
 #   check runs your training script again, as two processes, on new data. So follow the method
 #   each task describes, not only its numbers.
 # * Do not rename the variables a task asks for, and do not reuse their names later on.
+# * Where a task says a function returns a tuple, a list of the same items is accepted too.
 # * Run the notebook from the top (*Kernel → Restart & Run All*) before you submit.
 
 # %% [markdown]

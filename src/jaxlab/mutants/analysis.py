@@ -275,13 +275,14 @@ class _Runner:
             return False
 
     def restart(self):
+        if not self.own:  # the caller's kernel (the test suite's corpus) cannot be replaced
+            raise corpus.KernelError("a mutant killed the kernel the analysis was given")
         try:
             self.harness.close()
         except Exception:  # a dead kernel cannot be shut down cleanly; it is gone either way
             pass
         self.restarts += 1
         self.harness = self._start()
-        self.own = True
 
     def close(self):
         if self.own:

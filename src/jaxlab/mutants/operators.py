@@ -168,6 +168,20 @@ def _constant(node, ctx):
         yield cst.Float(repr(value * 2 if value else 1.0))
 
 
+@operator("range", "general")
+def _range(node, ctx):
+    """A loop's range off by one at its end: ``range(n)`` -> ``range(n + 1)``, ``range(n - 1)``
+    (an integer end is the constant operator's)."""
+    if _call_of(node, "range") and isinstance(node.func, cst.Name) and _positional(node):
+        end = _positional(node)[0 if len(_positional(node)) == 1 else 1]
+        if isinstance(end.value, cst.Integer):
+            return
+        for op in ("+", "-"):
+            args = list(node.args)
+            args[args.index(end)] = end.with_changes(value=_expr(f"({_code(end.value)}) {op} 1"))
+            yield node.with_changes(args=args)
+
+
 @operator("drop-term", "general")
 def _drop_term(node, ctx):
     if isinstance(node, cst.BinaryOperation) and isinstance(
@@ -225,7 +239,7 @@ def _axis(node, ctx):
         if isinstance(value, int):
             args = list(node.args)
             args[i] = arg.with_changes(value=_expr(str(OTHER_AXIS.get(value, 0))))
-            yield node.with_changes(args=args)
+            yield node.with_changes(args=args), _code(arg), _code(args[i]), node
 
 
 REDUCTIONS = {"mean": "sum", "sum": "mean", "max": "min", "min": "max", "maximum": "minimum",
@@ -489,8 +503,9 @@ def _axis_name(node, ctx):
         return
     for other in sorted(set(ctx["axis_names"]) - {arg.value.evaluated_value}):
         args = list(node.args)
-        args[args.index(arg)] = arg.with_changes(value=cst.SimpleString(repr(other)))
-        yield node.with_changes(args=args)
+        args[args.index(arg)] = new = arg.with_changes(value=cst.SimpleString(repr(other)))
+        yield node.with_changes(args=args), f"{_last(node.func)}(..., {_code(arg).strip(', ')})", \
+            f"{_last(node.func)}(..., {_code(new).strip(', ')})", node
 
 
 @operator("ppermute", "jax")
@@ -508,7 +523,7 @@ def _ppermute(node, ctx):
                  f"[_d for _, _d in {perm}][:1]))"):
         args = list(node.args)
         args[args.index(arg)] = arg.with_changes(value=_expr(text))
-        yield node.with_changes(args=args)
+        yield node.with_changes(args=args), f"perm={perm}", f"perm={text}", node
 
 
 def _decorators(node, names):
@@ -518,7 +533,8 @@ def _decorators(node, names):
         target = expr.args[0].value if _call_of(expr, "partial") and expr.args else (
             expr.func if isinstance(expr, cst.Call) else expr)
         if _last(target) in names:
-            yield node.with_changes(decorators=node.decorators[:i] + node.decorators[i + 1:])
+            yield (node.with_changes(decorators=node.decorators[:i] + node.decorators[i + 1:]),
+                   f"@{_code(expr)}", "(decorator removed)", deco)
 
 
 @operator("jit", "jax")
@@ -546,8 +562,10 @@ def _checkpoint(node, ctx):
                 args = list(node.args)
                 args[args.index(arg)] = arg.with_changes(
                     value=_expr(f"jax.checkpoint_policies.{policy}"))
-                yield node.with_changes(args=args)
-        yield node.with_changes(args=_args([a for a in node.args if a is not arg]))
+                yield node.with_changes(args=args), f"policy={_code(arg.value)}", \
+                    f"policy=jax.checkpoint_policies.{policy}", node
+        yield node.with_changes(args=_args([a for a in node.args if a is not arg])), \
+            f"policy={_code(arg.value)}", "(no policy)", node
 
 
 SCAN_HELPER = '''
@@ -582,7 +600,7 @@ def _specs(node, ctx):
         if arg is not None and _code(arg.value).replace(" ", "") != "P()":
             args = list(node.args)
             args[args.index(arg)] = arg.with_changes(value=_expr("P()"))
-            yield node.with_changes(args=args)
+            yield node.with_changes(args=args), f"{name}={_code(arg.value)}", f"{name}=P()", node
 
 
 @operator("check-vma", "jax")
@@ -593,7 +611,9 @@ def _check_vma(node, ctx):
                                                                               "check_rep"))]
     off = cst.Arg(cst.Name("False"), keyword=cst.Name("check_vma"),
                   equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")))
-    yield node.with_changes(args=_args(args + [off]))
+    name = _last(node.args[0].value) if _last(node.func) == "partial" else _last(node.func)
+    yield node.with_changes(args=_args(args + [off])), f"{name}(...)", \
+        f"{name}(..., check_vma=False)", node
 
 
 # the same function from the math module and from NumPy: NumPy's returns NumPy scalars, not

@@ -82,6 +82,17 @@ def markdown(analysis, command):
             if status != "equivalent" or o.detail != "the same evidence":
                 lines.append(f"  - evidence: {o.detail}")
         lines.append("")
+    undecided = [o for o in survivors if o.status == "undecided"]
+    if undecided:  # a start for the decisions file: each still to be read against the text
+        lines += [f"To decide one as equivalent, add it to `tests/mutants/{analysis.lab}.yaml` "
+                  "with the task's sentence that allows it (or kill it with a stronger check):",
+                  "", "```yaml"]
+        for question in dict.fromkeys(o.question for o in undecided):
+            lines += [f"{question}:", "  equivalent:"]
+            for o in (o for o in undecided if o.question == question):
+                lines += [f"  - key: {o.mutant.key}", f"    change: {o.mutant.change!r}",
+                          "    text: ...", "    why: ..."]
+        lines += ["```", ""]
     killed = [o for o in analysis.outcomes if o.status == "killed"]
     if killed:
         lines += [f"## Killed ({len(killed)}), with what the student would read", ""]
