@@ -15,7 +15,9 @@ Then:
 * **undecided** (survived, same evidence): an equivalent program, a method the task forbids that
   the checks do not read, or a difference the probe's inputs never reach. A person decides on
   the task's text; the decision and its sentence go to ``tests/mutants/<lab>.yaml``;
-* **equivalent**: a survivor with the same evidence that the decisions file calls equivalent.
+* **equivalent**: a survivor with the same evidence that the decisions file calls equivalent,
+  or one that differs only in evidence the file says the text leaves free (``free:``: what a
+  script prints, which dimension of an array the student splits).
 
 Traced programs (``jax.make_jaxpr``, saved residuals) are method, not behaviour: a survivor whose
 program alone differs is undecided, and the difference is shown to help the person decide.
@@ -373,13 +375,15 @@ def analyse(lab, *, root=corpus.ROOT, questions=None, operators=None, decisions=
                     behaviour, method = differences(reference[question], again.evidence,
                                                     volatile[question], free)
                     decision = decided.equivalent.get((question, mutant.key))
-                    if decision is None and not behaviour and not method:
-                        # what differs, if anything, is evidence the text leaves free
+                    if decision is None and not behaviour:
+                        # a mutant whose behaviour differs only where the text leaves it free
+                        # (what a script prints) is equivalent by that decision
                         decision = next((e for e in decided.free.get(question, ())
-                                         for path, *_ in _diff(reference[question],
-                                                               again.evidence, volatile[question])
-                                         if _matches(path, tuple(e["evidence"].split("/")))),
-                                        None)
+                                         for path, is_method, *_ in _diff(
+                                             reference[question], again.evidence,
+                                             volatile[question])
+                                         if not is_method and _matches(
+                                             path, tuple(e["evidence"].split("/")))), None)
                     seen.add((question, mutant.key))
                     if behaviour:
                         outcome = Outcome(question, mutant, "gap", 0.0,
