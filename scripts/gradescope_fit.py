@@ -54,7 +54,8 @@ import zipfile
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LABS = ("lab3-parallelism", "lab4-shard-map", "lab5-scaling", "lab6-memory")
+LABS = ("lab3-parallelism", "lab4-shard-map", "lab5-scaling", "lab6-memory",
+        "lab7-transformer")
 # the Gradescope memory setting the README recommends per lab, where it is not Gradescope's
 # default 768M (Lab 5 needed 1G until its kernel gave back its compiled programs, ~250 MiB,
 # before Part D's two processes of ~115 MiB each start)

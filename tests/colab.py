@@ -18,7 +18,8 @@ from labs import ROOT, release_paths
 
 VENV = ROOT / ".venv-colab"
 # What a fresh Colab-like runtime has that the labs use; otter-grader deliberately absent.
-PACKAGES = ("jax==0.10.2", "jaxlib==0.10.2", "numpy", "matplotlib", "rich", "tqdm", "ipykernel")
+PACKAGES = ("jax==0.10.2", "jaxlib==0.10.2", "numpy", "matplotlib", "rich", "tqdm", "ipykernel",
+            "orbax-checkpoint")  # Colab ships Orbax (Lab 7)
 ANSWER_MARK = "### Your code here"
 
 FAKE_COLAB = {

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LABS = ("lab3-parallelism", "lab4-shard-map", "lab5-scaling", "lab6-memory")
+LABS = ("lab3-parallelism", "lab4-shard-map", "lab5-scaling", "lab6-memory",
+        "lab7-transformer")
 
 
 def release_paths(lab):

@@ -54,6 +54,13 @@ WELL_FORMED_WRONG = {
                     next(a["code"] for a in yaml.safe_load(
                         (ROOT / "tests/answers/lab6-memory/q1_remat_scan.yaml").read_text()
                     )["wrong"] if a["name"] == "no_checkpoint")),
+    # the forward pass's FLOPs only, not the training step's 3x
+    "lab7-transformer": ("q8_step_flops", {"q8_step_flops"},
+                         "def step_flops(cfg, batch, seq):\n"
+                         "    D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.n_layers\n"
+                         "    per_layer = 2 * batch * seq * (4 * D * D + 2 * D * F) "
+                         "+ 4 * batch * seq * seq * D\n"
+                         "    return L * per_layer + 2 * batch * seq * D * V\n"),
 }
 SAMPLES_LAB = "lab3-parallelism"
 SAMPLES = {  # file -> (question, correct or wrong, corpus answer)

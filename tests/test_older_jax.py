@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make tes
 
 OLDER_JAX = "0.8.2"
 REQUIREMENTS = (f"jax=={OLDER_JAX}", f"jaxlib=={OLDER_JAX}", "otter-grader==7.0.0", "ipykernel",
-                "numpy", "matplotlib", "tqdm", "rich")
+                "numpy", "matplotlib", "tqdm", "rich",
+                "orbax-checkpoint")  # Lab 7 (0.12.8 resolves with JAX 0.8.2)
 CACHE = pathlib.Path(os.environ.get("JAXLAB_OLDER_JAX_CACHE",
                                     pathlib.Path.home() / ".cache" / "jaxlab-older-jax"))
 CELL_TIMEOUT = 600
