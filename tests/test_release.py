@@ -278,6 +278,11 @@ def test_volatile_normaliser_ignores_emoji_timings_pids_and_stream_splits_only()
     assert traced == nb_with("\u2728", [trace.format(19681, 2575921947, 2)], [])
     assert traced != nb_with("\u2728", [trace.format(7247, 1503587982, 2)], [])
     assert traced != nb_with("\u2728", [trace.format(7247, 2575921947, 3)], [])
+    # a rate and a utilisation computed from a timing (Lab 7), but not the FLOPs counted
+    rate = "{} FLOPs per step in {} ms: {} GFLOP/s, MFU {}% of the nominal peak\n"
+    measured = nb_with("\u2728", [rate.format("328,359,936", "41.36", "7.94", "1.98")], [])
+    assert measured == nb_with("\u2728", [rate.format("328,359,936", "59.04", "5.56", "1.39")], [])
+    assert measured != nb_with("\u2728", [rate.format("328,359,937", "41.36", "7.94", "1.98")], [])
     # a result, not a time; a check that failed; a bar that stopped early
     assert a != nb_with("\u2728", [timing.format("38.1", "0.76", "0.440")], [bar.format(100, 2) + "\n"])
     assert a != nb_with("\u2728 failed", [timing.format("38.1", "0.76", "0.439")],

@@ -335,6 +335,9 @@ VOLATILE_OUTPUT = (
     (re.compile(r"(/ipykernel_)\d+(/)"), r"\1<pid>\2"),
     # timings the lab prints ("38.1 ms per call", "speedup:   0.76x")
     (re.compile(r"\d+(?:\.\d+)?(?=(?: ?(?:ms|us|µs|ns|s)\b)|x\b)"), "<number>"),
+    # rates and utilisation computed from a timing (Lab 7: "5.56 GFLOP/s, MFU 1.39%")
+    (re.compile(r"\d+(?:\.\d+)?(?= ?[kMGTP]?FLOP/s\b)"), "<number>"),
+    (re.compile(r"(?<=MFU )\d+(?:\.\d+)?(?=%)"), "<number>"),
 )
 _OVERWRITTEN = re.compile(r"[^\n]*\r(?!\n)")  # what a terminal shows: \r overwrites the line
 
