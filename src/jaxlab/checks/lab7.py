@@ -479,7 +479,7 @@ def _other_meshes(name, steps, mesh, words):
             found = " × ".join(f"{n} {a!r}" for a, n in s["mesh"].items())
             _fail(f"traced {words}, `{name}` constrains a value to a mesh of {found}, not to the "
                   f"`mesh` it was given ({wanted['data']} 'data' × {wanted['model']} 'model'); "
-                  "build every NamedSharding from the `mesh` argument.")
+                  "expected every NamedSharding built from the `mesh` argument.")
 
 
 def _call_jit(fn, *args):
