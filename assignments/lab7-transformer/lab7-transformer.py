@@ -584,8 +584,13 @@ if answered(fsdp_specs):
 # `data`, on any `data` × `model` mesh (the hidden check uses 4 × 2 and 2 × 4). Run the layers
 # with `lax.scan`, and inside its body constrain the layer's weights to the tensor-parallel
 # layout of Part A (the gather, one layer at a time); constrain the gradients to the
-# `fsdp_specs` layout before returning them. Keep the activations' constraints of Task 2 if
-# you like. The hidden check calls it under `jax.jit` (with `mesh` and `n_heads` fixed); the
+# `fsdp_specs` layout before returning them. Gather the embedding, position and unembedding
+# tables the same way, before they are used (constrain them to their Part A layout,
+# replicated): left split over `data`, the embedding's layout spreads into the activations,
+# and the compiler must reshard them by copying whole arrays (newer JAX warns about an
+# "Involuntary full rematerialization"; the check does not require this gather). Keep the
+# activations' constraints of Task 2 if you like. The hidden check calls it under `jax.jit`
+# (with `mesh` and `n_heads` fixed); the
 # compiled step must need at most a quarter of the argument bytes, per device, of the
 # replicated step `jax.value_and_grad(loss_fn)`.
 
@@ -600,18 +605,22 @@ def fsdp_loss_and_grad(params, tokens, mesh, n_heads):
         return jax.tree.map(lambda x, spec: lax.with_sharding_constraint(
             x, NamedSharding(mesh, spec)), tree, specs, is_leaf=lambda x: isinstance(x, P))
 
+    tp = tp_specs(params)
     # one layer's slice has no layer axis: drop the first entry of each spec
-    layer_tp = {name: P(*spec[1:]) for name, spec in tp_specs(params)["layers"].items()}
+    layer_tp = {name: P(*spec[1:]) for name, spec in tp["layers"].items()}
+    tables = ("embed", "pos", "unembed")
 
     def loss(params):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        x = params["embed"][inputs] + params["pos"][:inputs.shape[1]]
+        # gathered before use: left split over 'data', embed's layout reaches the activations
+        top = constrain({k: params[k] for k in tables}, {k: tp[k] for k in tables})
+        x = top["embed"][inputs] + top["pos"][:inputs.shape[1]]
 
         def body(x, p):
             return block(x, constrain(p, layer_tp), n_heads), None
 
         x, _ = lax.scan(body, x, params["layers"])
-        return cross_entropy(rms_norm(x, params["norm_f"]) @ params["unembed"], targets)
+        return cross_entropy(rms_norm(x, params["norm_f"]) @ top["unembed"], targets)
 
     value, grads = jax.value_and_grad(loss)(params)
     return value, constrain(grads, fsdp_specs(params))
