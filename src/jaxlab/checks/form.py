@@ -179,6 +179,22 @@ def entry_points(questions):
 
 
 # --------------------------------------------------------------------------- transport
+def _is_extension(dtype):
+    """Whether ``dtype`` is one JAX adds through ml_dtypes (bfloat16, the float8s, int4, ...):
+    ``np.savez`` writes those as opaque void bytes, which load back as ``|V2`` and read as text
+    (a bfloat16 loss once reached a check as b'j@')."""
+    return dtype.type.__module__.startswith("ml_dtypes")
+
+
+def _extension_dtype(name):
+    import ml_dtypes
+
+    dtype = getattr(ml_dtypes, name, None) if name.isidentifier() else None
+    if dtype is None or not _is_extension(np.dtype(dtype)):
+        raise ValueError(f"unknown array dtype {name!r} in the evidence")
+    return np.dtype(dtype)
+
+
 def _encode(ev):
     """(JSON text, {key: array}) of evidence: arrays (NumPy scalars as 0-d arrays) stored apart."""
     arrays = {}
@@ -188,6 +204,9 @@ def _encode(ev):
             node = np.asarray(node)
         if isinstance(node, np.ndarray):
             key = f"a{len(arrays)}"
+            if _is_extension(node.dtype):  # stored as its bits, with the dtype's name
+                arrays[key] = np.ascontiguousarray(node).view(f"u{node.dtype.itemsize}")
+                return {"__array__": key, "dtype": node.dtype.name}
             arrays[key] = node
             return {"__array__": key}
         if isinstance(node, dict):
@@ -206,6 +225,8 @@ def _decode(text, arrays):
         if isinstance(node, dict):
             if set(node) == {"__array__"}:
                 return arrays[node["__array__"]]
+            if set(node) == {"__array__", "dtype"}:
+                return arrays[node["__array__"]].view(_extension_dtype(node["dtype"]))
             if set(node) == {"__float__"}:
                 return float(node["__float__"])
             return {k: restore(v) for k, v in node.items()}
