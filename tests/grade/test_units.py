@@ -254,6 +254,54 @@ def test_a_claim_that_disagrees_is_tampering_except_where_the_verdict_rests_on_t
     assert points["q1_device_put"] == points["q9_timing"] == 0
 
 
+def test_a_check_that_raises_is_a_grader_error_never_tampering(tmp_path):
+    """A trusted verdict that raises something other than its AssertionError is the grader's
+    fault (seen: a bfloat16 loss the evidence could not carry): the question scores zero with
+    a message that says so, the status says GRADER ERROR, and the kernel's passing claim beside
+    it is no sign of tampering. A failing verdict beside the same claim still is."""
+    import types
+
+    from jaxlab.checks import form
+    from jaxlab.grade.engine import judge
+    from jaxlab.grade.engine.worker import _status
+    from jaxlab.grade.engine.session import Execution
+    from jaxlab.grade.model import Record
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    with zipfile.ZipFile(root / "autograder" / "lab3-parallelism-autograder.zip") as zf:
+        zf.extractall(tmp_path / "ag")
+    autograder = read_autograder(tmp_path / "ag")
+    layout = EvidenceLayout(tmp_path / "evidence")
+    layout.folder.mkdir()
+    broken, wrong = "q1_device_put", "q3_partition_specs"
+
+    def verdict(q, ev):
+        if q == broken:
+            float(b"j@")  # ValueError, as the bfloat16 evidence once gave
+        raise AssertionError("`x` has the wrong values")
+
+    checks = types.SimpleNamespace(QUESTIONS={broken: None, wrong: None}, verdict=verdict)
+    for q in (broken, wrong):
+        form.dump_evidence({"evidence": {}, "equal_to_anything": []}, layout.probe(q))
+        cases = [[True, ""] for _ in autograder.tests[q].test_cases]
+        layout.claim(q).write_text(json.dumps({"cases": cases}))
+    decided = judge.verdicts(autograder, checks, layout)
+    assert decided[broken].outcome == "error" and decided[broken].grader_error.startswith(
+        "ValueError: could not convert")
+    assert "error in the grader, not in your answer" in decided[broken].message
+    assert "j@" not in decided[broken].message  # no internals for the student
+    judgement = judge.score(autograder, decided, layout)
+    assert judgement.flags == [f"the kernel reported {wrong} as passed but the trusted check failed"]
+    assert judgement.grader_errors == [f"{broken} ({decided[broken].grader_error})"]
+    record = Record(file="x.ipynb", sha256="", flags=judgement.flags,
+                    grader_errors=judgement.grader_errors)
+    status = _status(Execution(), record, 600, tamper_checked=True)
+    assert f"GRADER ERROR (not the student's): the check of {broken} (ValueError" in status
+    assert f"TAMPERING SUSPECTED: the kernel reported {wrong} as passed" in status
+    assert Record.from_dict(json.loads(json.dumps(record.to_dict()))).grader_errors == \
+        record.grader_errors
+
+
 def test_reaping_orphans_spares_the_whole_tree_of_the_next_kernel_even_what_it_forks_later():
     """The worker kills every process left from a job except the next, prestarted kernel. That
     kernel may still be starting (bwrap forks, then the kernel): a child it forks after the

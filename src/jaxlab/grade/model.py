@@ -124,6 +124,9 @@ class Record:
     questions: dict = dataclasses.field(default_factory=dict)
     outcomes: dict = dataclasses.field(default_factory=dict)
     flags: list = dataclasses.field(default_factory=list)  # tampering suspicions, in words
+    # "question (exception)" for each trusted check that raised instead of judging: the
+    # grader's fault, shown apart from tampering (older records load with none)
+    grader_errors: list = dataclasses.field(default_factory=list)
     stop: Stop | None = None  # why the kernel stopped early (of the run that was graded)
     skipped: dict | None = None  # {"cell": i, "reason": Stop} when graded again without cell i
     sandboxed: bool = False

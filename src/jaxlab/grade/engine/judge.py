@@ -4,7 +4,8 @@ Two steps, each done once. ``verdicts`` runs the lab's ``verdict`` on each quest
 evidence (plain data): it alone decides the points-carrying test cases. ``score`` then puts
 otter's test files together: the kernel's own run of otter's tests (its *claim*, gathered only
 for questions the verdict fails) decides their 0-point public cases, and any case where it
-claims more than the verdict gives is reported as tampering.
+claims more than the verdict gives is reported as tampering — unless the trusted check itself
+failed to run (a grader error, reported as such: the kernel's claim is then no contradiction).
 """
 
 import copy
@@ -18,6 +19,9 @@ from ...checks.form import load_evidence
 from . import traces
 
 MAX_EVIDENCE_BYTES = 512 * 2**20
+GRADER_ERROR_MESSAGE = (
+    "The grader failed while checking this answer: an error in the grader, not in your answer. "
+    "No points could be given for it; your instructor sees the details and can regrade it.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,9 @@ class Verdict:
     # kernel's own check measures again at another moment, so disagreeing is not tampering
     measured: bool = False
     program: dict = dataclasses.field(default_factory=dict)  # traces.tokens of its evidence
+    # the trusted check raised something other than its AssertionError: the grader's fault
+    # (a check that cannot handle this evidence), never evidence against the student
+    grader_error: str | None = None
 
 
 @dataclasses.dataclass
@@ -37,6 +44,7 @@ class Judgement:
     test_files: list  # otter TestFile objects with results
     outcomes: dict  # question -> "pass" | "fail" | "error" | "timeout"
     flags: list  # tampering suspicions, in words
+    grader_errors: list = dataclasses.field(default_factory=list)  # checks that could not run
 
 
 def verdicts(autograder, checks, layout, no_answers_reason=None):
@@ -51,18 +59,21 @@ def verdicts(autograder, checks, layout, no_answers_reason=None):
 
 def score(autograder, decided, layout, no_answers_reason=None):
     """otter's test files with results, from the trusted ``decided`` verdicts and the claims."""
-    test_files, outcomes, flags, cheated = [], {}, [], []
+    test_files, outcomes, flags, cheated, broken = [], {}, [], [], []
     for q, template in autograder.tests.items():
         claim = _read_claim(layout.claim(q))
         v = decided.get(q)
         if v is not None:
             flags += [f"`{n}` claims to equal any object" for n in v.suspicious]
+            if v.grader_error:
+                broken.append(f"{q} ({v.grader_error})")
         results = []
         for i, tc in enumerate(template.test_cases):
             claimed = claim[i] if i < len(claim) else None
             if v is not None and tc.points:
                 results.append(TestCaseResult(tc, None if v.passed else v.message, v.passed))
-                if claimed and claimed[0] and not v.passed and not v.measured:
+                if claimed and claimed[0] and not v.passed and not v.measured \
+                        and not v.grader_error:
                     cheated.append(q)
             elif claimed is not None:
                 results.append(TestCaseResult(tc, claimed[1] or None, claimed[0]))
@@ -81,7 +92,7 @@ def score(autograder, decided, layout, no_answers_reason=None):
     if cheated:
         flags.insert(0, f"the kernel reported {', '.join(sorted(set(cheated)))} as passed but "
                         "the trusted check failed")
-    return Judgement(test_files, outcomes, flags)
+    return Judgement(test_files, outcomes, flags, broken)
 
 
 def _read_claim(path):
@@ -119,6 +130,6 @@ def _verdict(checks, q, path, no_answers_reason):
     except AssertionError as exc:
         return Verdict(False, str(exc) or "wrong answer", "fail", suspicious, program=program)
     except Exception as exc:
-        return Verdict(False, f"Your answer could not be checked ({type(exc).__name__}: {exc}).",
-                       "fail", suspicious, program=program)
+        return Verdict(False, GRADER_ERROR_MESSAGE, "error", suspicious, program=program,
+                       grader_error=f"{type(exc).__name__}: {exc}"[:300])
     return Verdict(True, None, "pass", suspicious, program=program)

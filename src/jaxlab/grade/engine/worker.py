@@ -157,6 +157,7 @@ class Worker:
         record.outcomes = {q: "timeout" if timed_out and o != "pass" else o
                            for q, o in run.judgement.outcomes.items()}
         record.flags = run.judgement.flags + _imitated_reports(ex.outputs, list(self.ag.tests))
+        record.grader_errors = run.judgement.grader_errors
         forged = [name for name in ex.files if name in RESULT_FILES]
         if forged:
             record.flags.append("the notebook wrote files named like grading results "
@@ -319,6 +320,9 @@ def _status(ex, record, timeout, tamper_checked):
         parts.append("output over the cap was dropped")
     if not tamper_checked:
         parts.append(NOT_TAMPER_CHECKED)
+    if record.grader_errors:
+        parts.append("GRADER ERROR (not the student's): the check of "
+                     + "; ".join(record.grader_errors) + " could not run; regrade after fixing it")
     if record.flags:
         parts.append("TAMPERING SUSPECTED: " + "; ".join(record.flags))
     return "; ".join(parts)
