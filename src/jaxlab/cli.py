@@ -262,24 +262,46 @@ def slurm(paths, output_dir, tasks, cpus_per_task, time, partition, mem_per_cpu,
         raise click.ClickException(str(exc)) from None
 
 
-@main.command()
+def _operators_epilog():
+    """The operators and what each does, for `jaxlab mutants --help` (from their docstrings)."""
+    from .mutants.operators import describe
+
+    return "\b\nOperators (--operator):\n" + "\n".join(
+        f"  {name}: {what}" for name, what in describe().items())
+
+
+@main.command(epilog=_operators_epilog())
 @click.argument("lab")
 @click.option("--question", "questions", multiple=True, metavar="QUESTION",
               help="Only this graded question (repeatable; default: every one).")
 @click.option("--operator", "operators", multiple=True, type=click.Choice(list(OPERATORS)),
-              help="Only this mutation operator (repeatable; default: every one).")
+              help="Only this mutation operator (repeatable; default: every one; listed below).")
+@click.option("--list", "list_only", is_flag=True,
+              help="Print the mutants (key, line, change) and how many each operator makes, "
+                   "without grading them (no kernel).")
 @click.option("--report", type=click.Path(dir_okay=False), default=MUTANTS_DEFAULTS["report"],
               help="Write the markdown report here (default for a whole lab: "
                    "docs/mutants/LAB.md).")
 @click.option("--root", type=click.Path(exists=True, file_okay=False),
               default=MUTANTS_DEFAULTS["root"], show_default=True,
               help="Repository root holding the releases, tests/answers/ and tests/mutants/.")
-def mutants(lab, questions, operators, report, root):
+def mutants(lab, questions, operators, list_only, report, root):
     """Mutation analysis of LAB's hidden checks: seed small faults into the solution's answers,
     grade each with the shipped checks, and report every mutant that keeps full marks.
 
-    Exits non-zero while a mutant survives that is not decided equivalent in
-    tests/mutants/LAB.yaml (a gap in the checks, or a survivor waiting for a decision)."""
+    A mutant stopped by its time limit is run once more with three times the limit; if it is
+    stopped again it is reported as killed by a limit. Exits non-zero while a mutant survives
+    that tests/mutants/LAB.yaml does not decide equivalent by its key (a gap in the checks, or a
+    survivor waiting for a person's decision)."""
+    if list_only:
+        from .mutants import listing
+
+        try:
+            listing(lab, root=root, questions=list(questions) or None,
+                    operators=list(operators) or None)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        return
     try:
         analysis = mutants_api(lab, root=root, questions=list(questions) or None,
                                operators=list(operators) or None, report=report)

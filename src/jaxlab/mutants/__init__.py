@@ -5,15 +5,18 @@ import shlex
 import sys
 
 from .. import corpus
-from .analysis import Analysis, analyse  # noqa: F401  (the API)
+from . import operators as ops
+from .analysis import Analysis, analyse, plan  # noqa: F401  (the API)
 
 
 def _question_line(console, outcomes):
-    """'q1_remat_scan: 31 mutants, 29 killed, 2 survived, 95 s' for the question just done."""
+    """'q1_remat_scan: 31 mutants, 28 killed by a check, 1 by a limit, 2 survived, 95 s' for
+    the question just done."""
     if outcomes:
         killed = sum(o.status == "killed" for o in outcomes)
-        console.print(f"{outcomes[0].question}: {len(outcomes)} mutants, {killed} killed, "
-                      f"{len(outcomes) - killed} survived, "
+        limit = sum(o.status == "limit" for o in outcomes)
+        console.print(f"{outcomes[0].question}: {len(outcomes)} mutants, {killed} killed by a "
+                      f"check, {limit} by a limit, {len(outcomes) - killed - limit} survived, "
                       f"{sum(o.seconds for o in outcomes):.0f} s", highlight=False)
 
 
@@ -49,7 +52,7 @@ def mutants(lab, *, root=".", questions=None, operators=None, report=None, conso
                 _question_line(console, done)
                 done.clear()
             done.append(outcome)
-            counts["killed" if outcome.status == "killed" else "survived"] += 1
+            counts["killed" if outcome.status in ("killed", "limit") else "survived"] += 1
             bars.update(task, completed=finished, total=total,
                         description=f"{lab} {outcome.question}", **counts)
 
@@ -69,3 +72,26 @@ def mutants(lab, *, root=".", questions=None, operators=None, report=None, conso
         pathlib.Path(target).write_text(markdown(analysis, command))
         console.print(f"report: {target}")
     return analysis
+
+
+def listing(lab, *, root=".", questions=None, operators=None, out=None):
+    """Print every mutant ``jaxlab mutants`` would grade for ``lab`` (question, key, line,
+    change, a line each), then how many per question and per operator, without grading any
+    (no kernel: the releases are read). Returns the (question, mutant) pairs."""
+    import collections
+
+    out = out or sys.stdout
+    root = pathlib.Path(root)
+    if lab not in corpus.labs(root):
+        raise ValueError(f"no released lab {lab!r} with an answer corpus under {root}; "
+                         f"labs: {', '.join(corpus.labs(root)) or 'none'}")
+    pairs = plan(corpus.Release(lab, root), questions, operators)
+    for question, m in pairs:
+        print(f"{question}\t{m.key}\tline {m.line}\t{m.change}", file=out)
+    per_question = collections.Counter(q for q, _ in pairs)
+    per_operator = collections.Counter(m.operator for _, m in pairs)
+    print(f"{lab}: {len(pairs)} mutants", file=out)
+    print("per question: " + ", ".join(f"{q} {n}" for q, n in per_question.items()), file=out)
+    print("per operator: " + ", ".join(f"{name} {per_operator[name]}" for name in ops.OPERATORS
+                                       if per_operator[name]), file=out)
+    return pairs

@@ -6,21 +6,27 @@ mutant is graded exactly as a corpus answer is: in the corpus harness's kernel h
 solution run, replaying what the mutant changes, with the shipped autograder's own test file.
 Then:
 
-* **killed**: the question does not get full marks (a mutant that hangs past its limit, or
-  kills the kernel, is stopped and counts as killed: grading would give it zero too);
+* **killed** (by a check): the question does not get full marks;
+* **limit** (killed by a limit): the mutant ran past its time limit, or killed the kernel, and
+  did so again when run once more with ``RERUN_FACTOR`` times the limit. A mutant that then
+  finishes is classed by what it scores, like any other: a kill must not depend on how busy
+  the machine was;
 * **gap** (survived, behaviour changed): full marks, yet the probe records something other for
   the mutant than for the solution on the same seeded fresh inputs (values beyond
   ``EVIDENCE_RTOL``/``EVIDENCE_ATOL``, shapes, dtypes, shardings, errors): the checks saw the
   difference and let it pass. Always a gap;
-* **undecided** (survived, same evidence): an equivalent program, a method the task forbids that
-  the checks do not read, or a difference the probe's inputs never reach. A person decides on
-  the task's text; the decision and its sentence go to ``tests/mutants/<lab>.yaml``;
-* **equivalent**: a survivor with the same evidence that the decisions file calls equivalent,
-  or one that differs only in evidence the file says the text leaves free (``free:``: what a
-  script prints, which dimension of an array the student splits).
+* **undecided** (survived, no behaviour the probe can tell apart): an equivalent program, a
+  method the task forbids that the checks do not read, or a difference the probe's inputs
+  never reach. Only a person decides: an ``equivalent:`` decision in
+  ``tests/mutants/<lab>.yaml`` naming the mutant by key, with the task's sentence;
+* **equivalent**: a survivor decided so by key.
 
-Traced programs (``jax.make_jaxpr``, saved residuals) are method, not behaviour: a survivor whose
-program alone differs is undecided, and the difference is shown to help the person decide.
+A ``free:`` entry (evidence the text leaves to the student: what a script prints, which
+dimension of an array carries the split) only takes that evidence out of the comparison of
+values, so that a difference there is not a gap; it decides no mutant. Traced programs and
+program text (``METHOD_KEYS``, a string holding a program) are method: a survivor whose method
+differs from the solution's is undecided whatever ``free:`` says, and the report shows the
+difference, and why each survivor is undecided, to help the person decide.
 """
 
 import dataclasses
@@ -48,7 +54,11 @@ METHOD_KEYS = frozenset({"program", "jaxpr", "jaxpr_error", "trace", "traces", "
 # question took, and at least MIN_TIMEOUT seconds
 TIMEOUT_FACTOR = 5
 MIN_TIMEOUT = 20
-STATUSES = ("killed", "equivalent", "gap", "undecided")
+# a mutant stopped by its limit is run once more with this many times the limit before the
+# stop counts (two Lab 4 mutants that finish in a few seconds were stopped at 20 s on a busy
+# machine, issue 45)
+RERUN_FACTOR = 3
+STATUSES = ("killed", "limit", "equivalent", "gap", "undecided")
 
 
 @dataclasses.dataclass
@@ -57,8 +67,11 @@ class Outcome:
     mutant: ops.Mutant
     status: str  # one of STATUSES
     seconds: float
-    detail: str = ""  # killed: the first failure; gap/undecided: the differences found
+    detail: str = ""  # killed: the first failure; limit: what stopped it; gap/undecided/
+    # equivalent: the differences found
     decision: dict | None = None
+    limit: float | None = None  # limit: the (longer) limit it ran past the second time
+    why: tuple = ()  # undecided: why no rule decides it, one reason a line
 
 
 @dataclasses.dataclass
@@ -73,9 +86,10 @@ class Analysis:
         return [o for o in self.outcomes if o.status == status]
 
     def score(self, outcomes=None):
+        """Killed (by a check or a limit) / (all - equivalent)."""
         outcomes = self.outcomes if outcomes is None else outcomes
         counted = [o for o in outcomes if o.status != "equivalent"]
-        killed = sum(o.status == "killed" for o in counted)
+        killed = sum(o.status in ("killed", "limit") for o in counted)
         return killed / len(counted) if counted else 1.0
 
 
@@ -88,10 +102,12 @@ def decisions_path(root, lab):
 class Decisions:
     """What a person decided on a lab's task text (``tests/mutants/<lab>.yaml``), per question:
 
-    * ``equivalent``: surviving mutants (by key) the text allows, each with its sentence;
+    * ``equivalent``: surviving mutants (by key) the text allows, each with its sentence: the
+      only way a survivor is decided;
     * ``free``: evidence the text leaves to the student (a path pattern such as
-      ``timing_runs/*/calls``, with its sentence): a mutant that differs from the solution only
-      there, and survives, is equivalent by that decision."""
+      ``*/sharding/spec``, with its sentence): a difference there is not a gap. It frees
+      values, not method evidence, and decides no mutant (before issue 45 it decided a survivor
+      that differed only there; the format is unchanged)."""
 
     equivalent: dict  # (question, key) -> entry
     free: dict  # question -> [entry]
@@ -211,27 +227,53 @@ def _same(a, b):
 
 def _diff(reference, other, volatile=frozenset(), free=()):
     """(path, is method evidence, value in reference, value in other) where they differ,
-    leaving out the ``volatile`` paths and those matching a ``free`` pattern."""
+    leaving out the ``volatile`` paths and the values matching a ``free`` pattern (method
+    evidence is never free)."""
     ref = {p: (m, v) for p, m, v in _leaves(canonical(reference))}
     new = {p: (m, v) for p, m, v in _leaves(canonical(other))}
     for path in sorted(set(ref) | set(new)):
-        if any(path[:i] in volatile for i in range(1, len(path) + 1)) or any(
-                _matches(path, pattern) for pattern in free):
+        if any(path[:i] in volatile for i in range(1, len(path) + 1)):
             continue
         (m_a, a), (m_b, b) = ref.get(path, (None, "(absent)")), new.get(path, (None, "(absent)"))
         if path in ref and path in new and _same(a, b):
             continue
-        yield path, m_a if path in ref else m_b, a, b
+        method = m_a if path in ref else m_b
+        if not method and any(_matches(path, pattern) for pattern in free):
+            continue
+        yield path, method, a, b
 
 
 def differences(reference, other, volatile=frozenset(), free=()):
     """(behaviour, method): where ``other`` differs from ``reference``, in words, leaving out
-    the ``volatile`` paths (those two runs of the solution disagree on) and the ``free`` ones
-    (what the text leaves to the student)."""
+    the ``volatile`` paths (those two runs of the solution disagree on) and the values on
+    ``free`` ones (what the text leaves to the student)."""
     behaviour, method = [], []
     for path, is_method, a, b in _diff(reference, other, volatile, free):
         (method if is_method else behaviour).append(f"{'/'.join(path)}: {_short(a)} -> {_short(b)}")
     return behaviour, method
+
+
+def freed(reference, other, volatile=frozenset(), free=()):
+    """Where ``other``'s values differ from ``reference``'s only on ``free`` paths, in words."""
+    return [f"{'/'.join(path)}: {_short(a)} -> {_short(b)}"
+            for path, is_method, a, b in _diff(reference, other, volatile)
+            if not is_method and any(_matches(path, pattern) for pattern in free)]
+
+
+def undecided_why(method, free_differences):
+    """Why a survivor with no behaviour difference waits for a person: one reason a line."""
+    why = []
+    if method:
+        why.append("its method differs from the solution's (" + "; ".join(method[:3]) +
+                   "): a free: entry frees values, never a method")
+    if free_differences:
+        why.append("it differs only in evidence the text leaves free (" +
+                   "; ".join(free_differences[:3]) + "): free: keeps that from being a gap, "
+                   "it does not decide the mutant")
+    if not why:
+        why.append("the same evidence as the solution on the seeded inputs: no check and no "
+                   "probe tells it apart")
+    return tuple(why)
 
 
 def volatile_paths(first, second):
@@ -292,6 +334,25 @@ class _Runner:
         self.folder.cleanup()
 
 
+def scope(release, question):
+    """The code of the solution notebook's cells before ``question``'s answer cell (as Python):
+    the meshes, shardings and functions a mutant of that cell may use instead of its own."""
+    cells = release.solution_nb.cells[:release.answer_cell[question]]
+    return tuple(corpus.python_of(c.source) for c in cells if c.cell_type == "code")
+
+
+def plan(release, questions=None, operators=None):
+    """(question, mutant) for every mutant of the solution's answer cells: what ``analyse``
+    grades, and ``jaxlab mutants --list`` prints."""
+    questions = list(release.questions if questions is None else questions)
+    unknown = set(questions) - set(release.questions)
+    if unknown:
+        raise ValueError(f"{release.lab} has no graded question {sorted(unknown)}; its "
+                         f"questions: {', '.join(release.questions)}")
+    return [(q, m) for q in questions
+            for m in ops.mutants(release.answer_source(q), operators, scope(release, q))]
+
+
 def _answer(lab, question, mutant):
     return corpus.Answer(lab=lab, question=question, name=mutant.key, why=mutant.change,
                          code=mutant.code, correct=False)
@@ -303,19 +364,67 @@ def _first_failure(verdict):
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def _stopped(why, limit):
+    """What stopped a grading, in the report's words."""
+    return f"ran past its {limit:.0f} s limit" if why == "limit" else \
+        f"killed the kernel (limit {limit:.0f} s)"
+
+
+STOPS = ("limit", "died")
+
+
 def _grade(runner, answer, **kwargs):
-    """The verdict, or None when the mutant hung or killed the kernel (then the kernel is
-    started again)."""
+    """(verdict, None); or (None, why): ``"limit"`` when the mutant ran past ``timeout``,
+    ``"died"`` when it killed the kernel (which is started again), ``"error: ..."`` when the
+    tests could not run."""
     try:
-        verdict = runner.harness.grade(answer, **kwargs)
-    except corpus.KernelError:
+        verdict, stop = runner.harness.grade(answer, **kwargs), None
+    except corpus.KernelError as exc:
         verdict = None
-    if verdict is None or not runner.alive():
-        if runner.alive():  # stopped in time: the names it touched are back
-            return None
+        stop = "limit" if str(exc).startswith("timed out") else \
+            "error: " + (str(exc).strip().splitlines() or ["?"])[0][:160]
+    if not runner.alive():
         runner.restart()
-        return None
-    return verdict
+        return None, "died"
+    return verdict, stop
+
+
+def _classify(runner, lab, question, mutant, limit, reference, volatile, decided):
+    """Grade one mutant (again with a longer limit if the first stopped it) and class it."""
+    answer = _answer(lab, question, mutant)
+    verdict, stop = _grade(runner, answer, only={question}, timeout=limit)
+    rerun = ""
+    if stop in STOPS:  # not yet a kill: the same mutant with more time
+        longer = RERUN_FACTOR * limit
+        verdict, again = _grade(runner, answer, only={question}, timeout=longer)
+        if again in STOPS:
+            return Outcome(question, mutant, "limit", 0.0, f"{_stopped(stop, limit)}; run "
+                           f"again, {_stopped(again, longer)}", limit=longer)
+        rerun = f" (first it {_stopped(stop, limit)}; with {longer:.0f} s it finished)"
+        stop, limit = again, longer
+    if stop is not None:  # the tests could not run: no points
+        return Outcome(question, mutant, "killed", 0.0, f"grading failed: {stop[7:]}{rerun}")
+    if not verdict.full_marks:
+        return Outcome(question, mutant, "killed", 0.0, _first_failure(verdict) + rerun)
+    probed, stop = _grade(runner, answer, only={question}, timeout=limit,
+                          evidence_seed=question_seed(lab, question))
+    if probed is None or not probed.full_marks:
+        # full marks once, not on other fresh inputs: a boundary the draws reach only
+        # sometimes; the checks must reach it every time
+        return Outcome(question, mutant, "gap", 0.0,
+                       "full marks on one draw of fresh inputs, not on another" +
+                       (f" (the second run {_stopped(stop, limit)})" if stop in STOPS else
+                        f" (the second run: {stop})" if stop else "") + rerun)
+    free = decided.free_paths(question)
+    behaviour, method = differences(reference, probed.evidence, volatile, free)
+    decision = decided.equivalent.get((question, mutant.key))
+    if behaviour:
+        return Outcome(question, mutant, "gap", 0.0, "; ".join(behaviour[:4]) + rerun, decision)
+    detail = "; ".join(method[:3]) or "the same evidence"
+    if decision:
+        return Outcome(question, mutant, "equivalent", 0.0, detail + rerun, decision)
+    return Outcome(question, mutant, "undecided", 0.0, detail + rerun,
+                   why=undecided_why(method, freed(reference, probed.evidence, volatile, free)))
 
 
 def analyse(lab, *, root=corpus.ROOT, questions=None, operators=None, decisions=None,
@@ -336,7 +445,7 @@ def analyse(lab, *, root=corpus.ROOT, questions=None, operators=None, decisions=
         runner.close()
         raise ValueError(f"{lab} has no graded question {sorted(unknown)}; its questions: "
                          f"{', '.join(release.questions)}")
-    plan = [(q, m) for q in questions for m in ops.mutants(release.answer_source(q), operators)]
+    mutants = plan(release, questions, operators)
     outcomes, seen = [], set()
     try:
         limits, reference, volatile = {}, {}, {}
@@ -353,50 +462,16 @@ def analyse(lab, *, root=corpus.ROOT, questions=None, operators=None, decisions=
                 for _ in range(2))
             reference[question] = first
             volatile[question] = volatile_paths(first, second)
-        for question, mutant in plan:
+        for question, mutant in mutants:
             t = time.monotonic()
-            answer = _answer(lab, question, mutant)
-            verdict = _grade(runner, answer, only={question}, timeout=limits[question])
-            if verdict is None:
-                outcome = Outcome(question, mutant, "killed", 0.0,
-                                  f"stopped after {limits[question]:.0f} s or killed the kernel")
-            elif not verdict.full_marks:
-                outcome = Outcome(question, mutant, "killed", 0.0, _first_failure(verdict))
-            else:
-                again = _grade(runner, answer, only={question}, timeout=limits[question],
-                               evidence_seed=question_seed(lab, question))
-                if again is None or not again.full_marks:
-                    # full marks once, not on other fresh inputs: a boundary the draws reach
-                    # only sometimes; the checks must reach it every time
-                    outcome = Outcome(question, mutant, "gap", 0.0,
-                                      "full marks on one draw of fresh inputs, not on another")
-                else:
-                    free = decided.free_paths(question)
-                    behaviour, method = differences(reference[question], again.evidence,
-                                                    volatile[question], free)
-                    decision = decided.equivalent.get((question, mutant.key))
-                    if decision is None and not behaviour:
-                        # a mutant whose behaviour differs only where the text leaves it free
-                        # (what a script prints) is equivalent by that decision
-                        decision = next((e for e in decided.free.get(question, ())
-                                         for path, is_method, *_ in _diff(
-                                             reference[question], again.evidence,
-                                             volatile[question])
-                                         if not is_method and _matches(
-                                             path, tuple(e["evidence"].split("/")))), None)
-                    seen.add((question, mutant.key))
-                    if behaviour:
-                        outcome = Outcome(question, mutant, "gap", 0.0,
-                                          "; ".join(behaviour[:4]), decision)
-                    else:
-                        outcome = Outcome(question, mutant,
-                                          "equivalent" if decision else "undecided", 0.0,
-                                          "; ".join(method[:3]) or "the same evidence",
-                                          decision)
+            outcome = _classify(runner, lab, question, mutant, limits[question],
+                                reference[question], volatile[question], decided)
+            if outcome.status in ("gap", "undecided", "equivalent"):
+                seen.add((question, mutant.key))
             outcome.seconds = time.monotonic() - t
             outcomes.append(outcome)
             if progress:
-                progress(outcome, len(outcomes), len(plan))
+                progress(outcome, len(outcomes), len(mutants))
     finally:
         runner.close()
     stale = [d for (q, key), d in sorted(decided.equivalent.items())

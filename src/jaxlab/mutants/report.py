@@ -1,22 +1,28 @@
 """What ``jaxlab mutants`` shows: a table per question and per operator, every survivor with its
-change and what was found or decided (markdown for ``docs/mutants/<lab>.md``, rich for the
-terminal)."""
+change and what was found or decided, every kill by a limit with the limit it hit (markdown for
+``docs/mutants/<lab>.md``, rich for the terminal)."""
 
 import collections
 import datetime
 
 from . import operators as ops
 
+HEAD = ["mutants", "killed by a check", "killed by a limit", "equivalent", "gaps", "undecided",
+        "score", "time"]
 
-def _counts(outcomes):
+
+def duration(seconds):
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def _counts(outcomes, seconds=None):
     c = collections.Counter(o.status for o in outcomes)
     counted = len(outcomes) - c["equivalent"]
-    score = c["killed"] / counted if counted else 1.0
-    return [len(outcomes), c["killed"], c["equivalent"], c["gap"], c["undecided"],
-            f"{100 * score:.1f}%"]
-
-
-HEAD = ["mutants", "killed", "equivalent", "gaps", "undecided", "score"]
+    score = (c["killed"] + c["limit"]) / counted if counted else 1.0
+    seconds = sum(o.seconds for o in outcomes) if seconds is None else seconds
+    return [len(outcomes), c["killed"], c["limit"], c["equivalent"], c["gap"], c["undecided"],
+            f"{100 * score:.1f}%", duration(seconds)]
 
 
 def rows_by(outcomes, key):
@@ -29,7 +35,8 @@ def rows_by(outcomes, key):
 def _questions(analysis):
     order = list(dict.fromkeys(o.question for o in analysis.outcomes))
     rows = rows_by(analysis.outcomes, lambda o: o.question)
-    return [[q, *rows[q]] for q in order] + [["**all**", *_counts(analysis.outcomes)]]
+    return [[q, *rows[q]] for q in order] + [
+        ["**all**", *_counts(analysis.outcomes, analysis.seconds)]]
 
 
 def _operators(analysis):
@@ -47,55 +54,66 @@ def _code(text):
     return "`" + text.replace("`", "'").replace("|", "\\|") + "`"
 
 
+TITLES = {"gap": "Gaps", "undecided": "Undecided", "equivalent": "Equivalent",
+          "limit": "Killed by a limit"}
+
+
 def markdown(analysis, command):
     """The report as a markdown page."""
-    survivors = [o for o in analysis.outcomes if o.status != "killed"]
-    minutes, seconds = divmod(round(analysis.seconds), 60)
     lines = [
         f"# Mutation analysis of {analysis.lab}'s checks", "",
         f"`{command}` on {datetime.date.today().isoformat()}: {len(analysis.outcomes)} mutants "
-        f"of the solution's answer cells graded by the shipped checks in {minutes} min "
-        f"{seconds} s (the solution's own run: {analysis.solution_seconds:.0f} s). Mutation "
-        f"score, killed / (all − equivalent): **{100 * analysis.score():.1f}%**.", "",
-        "*killed*: the question loses points; *gap*: full marks although the probe recorded "
-        "other values, shapes, dtypes, shardings or errors than for the solution on the same "
-        "inputs; *undecided*: full marks with the same evidence, waiting for a person's "
-        "decision; *equivalent*: decided so on the task's text (`tests/mutants/"
-        f"{analysis.lab}.yaml`). How to read and act on it: docs/architecture.md.", "",
+        f"of the solution's answer cells graded by the shipped checks in "
+        f"{duration(analysis.seconds)} (the solution's own run: "
+        f"{analysis.solution_seconds:.0f} s). Mutation score, killed / (all − equivalent): "
+        f"**{100 * analysis.score():.1f}%**.", "",
+        "*killed by a check*: the question loses points; *killed by a limit*: the mutant ran "
+        "past its time limit or killed the kernel, and again when run once more with "
+        "three times the limit (the student would read a timeout, not a check's message); "
+        "*gap*: full marks although the probe recorded other values, shapes, dtypes, "
+        "shardings or errors than for the solution on the same inputs; *undecided*: full "
+        "marks and no difference the probe can tell, waiting for a person's decision by key "
+        "(why, for each); *equivalent*: decided so on the task's text (`tests/mutants/"
+        f"{analysis.lab}.yaml`). *time*: grading the mutants (the **all** row: the whole "
+        "analysis, the solution's runs included). How to read and act on it: "
+        "docs/architecture.md.", "",
         "## Per question", "", *_md_table(["question", *HEAD], _questions(analysis)), "",
         "## Per operator", "", *_md_table(["operator", "family", *HEAD], _operators(analysis)),
         ""]
-    for status in ("gap", "undecided", "equivalent"):
-        chosen = [o for o in survivors if o.status == status]
+    for status in ("gap", "undecided", "equivalent", "limit"):
+        chosen = analysis.of(status)
         if not chosen:
             continue
-        lines += [f"## {status.capitalize()}{'s' if status == 'gap' else ''} ({len(chosen)})", ""]
+        lines += [f"## {TITLES[status]} ({len(chosen)})", ""]
         for o in chosen:
             m = o.mutant
             lines.append(f"- **{o.question}** `{m.key}` line {m.line}: {_code(m.before)} → "
                          f"{_code(m.after)}")
             if o.decision:
-                free = f" (the text leaves `{o.decision['evidence']}` free)" \
-                    if "evidence" in o.decision else ""
-                lines.append(f"  - decided equivalent{free}: “{o.decision['text']}” — "
+                lines.append(f"  - decided equivalent: “{o.decision['text']}” — "
                              f"{o.decision['why']}")
-            if status != "equivalent" or o.detail != "the same evidence":
+            for why in o.why:
+                lines.append(f"  - undecided: {why}")
+            if status == "limit":
+                lines.append(f"  - {o.detail}")
+            elif not (status == "undecided" or status == "equivalent" and
+                      o.detail == "the same evidence"):
                 lines.append(f"  - evidence: {o.detail}")
         lines.append("")
-    undecided = [o for o in survivors if o.status == "undecided"]
+    undecided = analysis.of("undecided")
     if undecided:  # a start for the decisions file: each still to be read against the text
         lines += [f"To decide one as equivalent, add it to `tests/mutants/{analysis.lab}.yaml` "
-                  "with the task's sentence that allows it (or kill it with a stronger check):",
-                  "", "```yaml"]
+                  "with the task's whole sentence that allows it (or kill it with a stronger "
+                  "check):", "", "```yaml"]
         for question in dict.fromkeys(o.question for o in undecided):
             lines += [f"{question}:", "  equivalent:"]
             for o in (o for o in undecided if o.question == question):
                 lines += [f"  - key: {o.mutant.key}", f"    change: {o.mutant.change!r}",
                           "    text: ...", "    why: ..."]
         lines += ["```", ""]
-    killed = [o for o in analysis.outcomes if o.status == "killed"]
+    killed = analysis.of("killed")
     if killed:
-        lines += [f"## Killed ({len(killed)}), with what the student would read", ""]
+        lines += [f"## Killed by a check ({len(killed)}), with what the student would read", ""]
         for question in dict.fromkeys(o.question for o in killed):
             mine = [o for o in killed if o.question == question]
             lines += [f"<details><summary>{question}: {len(mine)}</summary>", ""]
@@ -110,22 +128,24 @@ def markdown(analysis, command):
 
 
 def terminal(analysis, console):
-    """The per-question table, then every survivor that is not decided equivalent."""
+    """The per-question table, then every survivor that is not decided equivalent (with why it
+    is undecided) and every kill by a limit."""
     from rich.table import Table
 
-    table = Table(title=f"{analysis.lab}: mutation analysis ({analysis.seconds / 60:.1f} min)")
+    table = Table(title=f"{analysis.lab}: mutation analysis ({duration(analysis.seconds)})")
     for name in ["question", *HEAD]:
         table.add_column(name, justify="left" if name == "question" else "right")
     for row in _questions(analysis):
         table.add_row(*[str(c).replace("**", "") for c in row])
     console.print(table)
+    styles = {"gap": "red", "undecided": "yellow", "limit": "magenta"}
     for o in analysis.outcomes:
-        if o.status in ("gap", "undecided"):
-            style = "red" if o.status == "gap" else "yellow"
-            console.print(f"[{style}]{o.status}[/] {o.question} {o.mutant.key} line "
+        if o.status in styles:
+            label = "killed by a limit" if o.status == "limit" else o.status
+            console.print(f"[{styles[o.status]}]{label}[/] {o.question} {o.mutant.key} line "
                           f"{o.mutant.line}: {o.mutant.change}", highlight=False, markup=True)
-            console.print(f"    {o.detail}", highlight=False, markup=False)
+            for line in o.why or (o.detail,):
+                console.print(f"    {line}", highlight=False, markup=False)
     for d in analysis.stale_decisions:
         console.print(f"stale decision {d['key']}: {d['change']} (no surviving mutant)",
                       highlight=False, markup=False)
-
