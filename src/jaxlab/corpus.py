@@ -42,6 +42,7 @@ import zipfile
 import nbformat
 import yaml
 
+from jaxlab.checks.form import module_writes, python_of
 from jaxlab.grade.output.tally import in_notebook_order
 
 # the repository this package is installed from (`make` installs it editable): assignments/,
@@ -104,55 +105,6 @@ def load_answers(lab, root=ROOT):
 
 
 # --------------------------------------------------------------------------- notebook analysis
-def python_of(source):
-    """A cell's source as Python (IPython magics such as %%writefile turned into calls)."""
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    return TransformerManager().transform_cell(source)
-
-
-def _targets(node, out):
-    if isinstance(node, ast.Name):
-        out.add(node.id)
-    elif isinstance(node, (ast.Tuple, ast.List)):
-        for elt in node.elts:
-            _targets(elt, out)
-    elif isinstance(node, ast.Starred):
-        _targets(node.value, out)
-
-
-def _module_writes(body, out):
-    """Names a list of statements binds at module level (not inside functions or classes)."""
-    for node in body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            out.add(node.name)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                out.add((alias.asname or alias.name).split(".")[0])
-            continue
-        for child in ast.walk(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
-                                  ast.Lambda)):
-                continue
-            if isinstance(child, (ast.Assign,)):
-                for t in child.targets:
-                    _targets(t, out)
-            elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)):
-                _targets(child.target, out)
-            elif isinstance(child, ast.withitem) and child.optional_vars is not None:
-                _targets(child.optional_vars, out)
-            elif isinstance(child, ast.NamedExpr):
-                _targets(child.target, out)
-            elif isinstance(child, ast.Delete):
-                for t in child.targets:
-                    _targets(t, out)
-        for child in ast.walk(node):  # nested defs inside if/with/try still bind names
-            if child is not node and isinstance(child, (ast.FunctionDef, ast.ClassDef)):
-                out.add(child.name)
-    return out
-
-
 def reads_writes(source):
     """(names read anywhere in the cell, names it binds at module level)."""
     try:
@@ -160,7 +112,7 @@ def reads_writes(source):
     except SyntaxError:
         return set(), set()
     reads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    return reads, _module_writes(tree.body, set())
+    return reads, module_writes(tree.body, set())
 
 
 def _is_otter_cell(source):
@@ -454,6 +406,8 @@ class LabHarness:
         plan = self.plan(k, source, only)
         rerun = {index for index, *_ in plan}
         touched, errors, done, evidence = set(), [], set(), None
+        # what the setup cell's watch_cells() remembered of the last answer's failing cells
+        self.kernel.run("get_ipython().__dict__.pop('_jaxlab_cell_faults', None)")
         try:
             for index, src, cell_reads, cell_writes in plan:
                 # names no replayed cell has assigned yet hold what the original run had here

@@ -141,6 +141,19 @@ def submissions(lab, root):
     reordered.cells.insert(answer_cell(reordered, "y"),
                            reordered.cells.pop(answer_cell(reordered, "y_mean")))
     add("reordered.ipynb", reordered, {"q1": 2.0, "q2": 1.0, "q3": 0.0}, "NameError")
+    raises = sol()  # the arguments of device_put swapped: y is never set, nor y_mean after it
+    raises.cells[answer_cell(raises, "y")].source = \
+        'y = jax.device_put(NamedSharding(mesh, P("x")), jnp.arange(8.0) * 2)'
+    add("raises.ipynb", raises, {"q1": 0.0, "q2": 1.0, "q3": 0.0}, "raised errors")
+    stuck = sol()  # waits forever before setting y
+    stuck.cells[answer_cell(stuck, "y")].source = \
+        "import time\nwhile True:\n    time.sleep(0.1)\n" + \
+        stuck.cells[answer_cell(stuck, "y")].source
+    add("stuck.ipynb", stuck, {"q1": 0.0, "q2": 1.0, "q3": 0.0}, "per-cell limit")
+    exit_y = sol()  # kills the kernel before setting y: skipped in a second run
+    exit_y.cells[answer_cell(exit_y, "y")].source = \
+        "import os\nos._exit(1)\n" + exit_y.cells[answer_cell(exit_y, "y")].source
+    add("exit_y.ipynb", exit_y, {"q1": 0.0, "q2": 1.0, "q3": 0.0}, "skipped in a second run")
     add("odd näme with spaces.ipynb", sol(), FULL, "Completed")
     add("a/same.ipynb", sol(), FULL, "Completed")
     add("b/same.ipynb", wrong(sol()), NONE, "Completed")
@@ -201,7 +214,7 @@ def test_batch_returns_true_and_grades_every_submission(batch):
 CASES = ["solution.ipynb", "wrong.ipynb", "loop.ipynb", "hang.ipynb", "exit.ipynb",
          "memory.ipynb", "flood.ipynb", "escape.ipynb", "kill_grader.ipynb", "not_json.ipynb",
          "not_notebook.ipynb", "empty.ipynb", "no_notebook.zip", "export.zip", "deleted.ipynb",
-         "reordered.ipynb", "odd näme with spaces.ipynb", "a/same.ipynb", "b/same.ipynb",
+         "reordered.ipynb", "raises.ipynb", "stuck.ipynb", "exit_y.ipynb", "odd näme with spaces.ipynb", "a/same.ipynb", "b/same.ipynb",
          "patch_runner.ipynb", "patch_allclose.ipynb", "patch_sharding.ipynb",
          "fake_results.ipynb", "fake_results_file.ipynb", "fake_report.ipynb",
          "always_equal.ipynb"]
@@ -220,6 +233,36 @@ def test_each_submission_gets_its_scores_and_a_status_saying_what_happened(batch
         assert float(row["total_points_earned"]) == sum(scores.values())
     if not any(w == "TAMPERING" for w in words):
         assert "TAMPERING" not in status
+
+
+def _outputs(batch, name):
+    gs = json.loads((batch["out"] / "gradescope-results" / f"{name[:-6]}.json").read_text())
+    return {t["name"]: t["output"] for t in gs["tests"]}
+
+
+def test_a_cell_that_raised_is_named_with_its_exception_and_line_not_as_undefined(batch):
+    """The check finds `y` unset; the student reads why: their cell, their exception, its line,
+    and, for the next question that needed `y`, the same for the cell it broke in turn."""
+    out = _outputs(batch, "raises.ipynb")
+    assert "`y` was never set: your cell that starts `y = jax.device_put(NamedSharding(mesh" \
+        in out["q1"] and "raised TypeError" in out["q1"] and "at line 1" in out["q1"], out["q1"]
+    assert "not defined yet" not in out["q1"]
+    assert "`y_mean` was never set: your cell that starts `y_mean = float(jnp.mean(y))" in \
+        out["q3"] and "raised NameError: name 'y' is not defined at line 1" in out["q3"], out["q3"]
+    assert "Traceback" not in out["q1"] + out["q3"]
+
+
+def test_a_cell_stopped_at_the_per_cell_limit_says_so_with_the_line_it_was_waiting_on(batch):
+    out = _outputs(batch, "stuck.ipynb")["q1"]
+    assert "`y` was never set: your cell that starts `import time` did not finish within the " \
+        f"per-cell limit of {SETTINGS['cell_timeout']:g} s and was stopped at line 3 " \
+        "(`time.sleep(0.1)`): an endless loop, or a wait that never ends" in out, out
+
+
+def test_a_cell_skipped_for_killing_the_kernel_is_named_where_a_question_needs_it(batch):
+    out = _outputs(batch, "exit_y.ipynb")["q1"]
+    assert "`y` was never set: your cell that starts `import os` was not run: in a first run " \
+        "it stopped the kernel (the kernel died in cell" in out, out
 
 
 def test_csv_has_otter_grade_columns_and_points_row(batch):

@@ -333,3 +333,36 @@ def test_reaping_orphans_spares_the_whole_tree_of_the_next_kernel_even_what_it_f
         orphan.kill()
         starting.wait()
         orphan.wait()
+
+
+def test_a_broken_cell_explains_the_questions_whose_names_it_assigns_and_no_other():
+    from jaxlab.grade.engine import blame
+    from jaxlab.grade.engine.judge import Verdict
+    from jaxlab.grade.engine.session import CellFault, traceback_line
+
+    tb = ["\x1b[36mCell\x1b[39m\x1b[36m \x1b[39m\x1b[32mIn[7]\x1b[39m\x1b[32m, line 2\x1b[39m\n",
+          "\x1b[36mCell\x1b[39m In[3], line 9, in f\n"]
+    assert traceback_line(tb) == 2 and traceback_line(["no cell here"]) is None
+    cells = [(4, "### Your code here\nA = jax.device_put(s, A0)\n"), (6, "B = A + 1\n"),
+             (8, "C = 3\n")]
+    faults = {4: CellFault("raised", "TypeError: bad", traceback_line(tb)),
+              8: CellFault("timed out", line=1, seconds=20)}
+    decided = {
+        "q1": Verdict(False, "`A` is not defined yet", "fail", undefined="A"),
+        "q2": Verdict(False, "`B` has the wrong values", "fail"),
+        "q3": Verdict(True, None, "pass"),
+        "q4": Verdict(False, "`C` is 3", "fail"),
+    }
+    names = {"q1": ("A",), "q2": ("B",), "q3": ("C",), "q4": ("A", "C")}
+    labels = {4: "your answer cell for q1", 6: "your cell that starts `B = A + 1`",
+              8: "your cell that starts `C = 3`"}
+    out = blame.explain(decided, faults, cells, names, labels)
+    assert out["q1"].message == (
+        "`A` was never set: your answer cell for q1 raised TypeError: bad at line 2 "
+        "(`A = jax.device_put(s, A0)`). Fix that and run the cell again; then run this check.")
+    assert out["q2"] == decided["q2"]  # its own cell ran; what it computed is its message
+    assert out["q3"] == decided["q3"]  # passed: nothing to explain
+    assert out["q4"].message.startswith(
+        "Your cell that starts `C = 3` did not finish within the per-cell limit of 20 s and was "
+        "stopped at line 1 (`C = 3`): an endless loop") and \
+        out["q4"].message.endswith("Then the check found: `C` is 3")

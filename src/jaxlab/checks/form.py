@@ -10,6 +10,7 @@ Nothing here knows an answer: hidden checks live in the ``labN`` modules, which 
 never receive.
 """
 
+import ast
 import contextlib
 import itertools
 import json
@@ -323,13 +324,173 @@ def describe_sharding(sev):
     return text + f" (spec {spec_repr(sev['spec'])} on the {mesh} mesh)"
 
 
+# --------------------------------------------------------------------------- cells
+# What a notebook cell assigns: the grader says which cell left a name unset (engine/blame.py),
+# and a check in the student's own kernel does too (expect_defined).
+def python_of(source):
+    """A cell's source as Python (IPython magics such as %%writefile turned into calls)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager().transform_cell(source)
+
+
+def _targets(node, out):
+    if isinstance(node, ast.Name):
+        out.add(node.id)
+    elif isinstance(node, (ast.Tuple, ast.List)):
+        for elt in node.elts:
+            _targets(elt, out)
+    elif isinstance(node, ast.Starred):
+        _targets(node.value, out)
+
+
+def module_writes(body, out):
+    """Names a list of statements binds at module level (not inside functions or classes)."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                out.add((alias.asname or alias.name).split(".")[0])
+            continue
+        for child in ast.walk(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                  ast.Lambda)):
+                continue
+            if isinstance(child, (ast.Assign,)):
+                for t in child.targets:
+                    _targets(t, out)
+            elif isinstance(child, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)):
+                _targets(child.target, out)
+            elif isinstance(child, ast.withitem) and child.optional_vars is not None:
+                _targets(child.optional_vars, out)
+            elif isinstance(child, ast.NamedExpr):
+                _targets(child.target, out)
+            elif isinstance(child, ast.Delete):
+                for t in child.targets:
+                    _targets(t, out)
+        for child in ast.walk(node):  # nested defs inside if/with/try still bind names
+            if child is not node and isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                out.add(child.name)
+    return out
+
+
+def assigned_names(source):
+    """The names a cell binds at module level; for a cell that does not parse (nothing of it
+    runs), the names its lines start by assigning."""
+    try:
+        return module_writes(ast.parse(python_of(source)).body, set())
+    except SyntaxError:
+        return set(re.findall(r"^([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)", source, re.M))
+
+
 # --------------------------------------------------------------------------- form checks
 def expect_defined(name, ev):
-    """Fail unless ``name`` holds something other than None or the ``...`` placeholder."""
+    """Fail unless ``name`` holds something other than None or the ``...`` placeholder. The
+    AssertionError carries ``undefined``: the grader then says which of the student's cells
+    broke before setting it (engine/blame.py), as ``kernel_fault`` does in their own kernel."""
     if ev["kind"] in ("none", "ellipsis"):
-        raise AssertionError(
+        fault = kernel_fault(name)
+        exc = AssertionError(
+            never_set(name, "the cell that assigns it", fault) if fault else
             f"`{name}` is not defined yet (it holds {describe(ev)}): write your answer in the "
             "cell under '### Your code here' and run it.")
+        exc.undefined = name
+        raise exc
+
+
+def fault_words(kind, *, error="", line=None, code="", seconds=None, detail=""):
+    """What happened to a student's cell, in words: ``kind`` is "raised", "timed out" or
+    "skipped"; ``line`` and ``code`` where it raised or was stopped."""
+    at = f" at line {line}" + (f" (`{code.strip()[:120]}`)" if code.strip() else "") \
+        if line else ""
+    if kind == "raised":
+        return f"raised {error[:300]}{at}"
+    if kind == "timed out":
+        limit = f" within the per-cell limit of {seconds:g} s" if seconds else ""
+        return (f"did not finish{limit} and was stopped{at}: an endless loop, or a wait that "
+                "never ends (such as a collective that some device never reaches, or a "
+                "process waiting for another)")
+    return f"was not run: {detail}" if detail else "was not run"
+
+
+def never_set(name, where, fault):
+    """The message for a graded name that a failing cell never set."""
+    return (f"`{name}` was never set: {where} {fault}. Fix that and run the cell again; then "
+            "run this check.")
+
+
+def _cell_line(exc):
+    """The line of the cell's own code where ``exc`` was raised (IPython compiles each cell to
+    a file of its own: the first frame of the traceback is the cell's)."""
+    if isinstance(exc, SyntaxError):
+        return exc.lineno
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_cell_file(f.filename)]
+    return frames[0].lineno if frames else None
+
+
+def _is_cell_file(filename):
+    # ipykernel compiles a cell to <tmp>/ipykernel_<pid>/<hash>.py, IPython to <ipython-input-…>
+    return bool(re.search(r"ipykernel_\d+[/\\]\d+\.py$|^<ipython-input-", filename or ""))
+
+
+def exception_line(exc):
+    """``exc`` in one line as a student reads it (a SyntaxError without its temporary file)."""
+    if isinstance(exc, SyntaxError):
+        return f"{type(exc).__name__}: {exc.msg}"
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _shell():
+    """The IPython shell running this code, or None (the trusted grader runs none)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def _record_cell(result):
+    try:
+        faults = _shell().__dict__.setdefault("_jaxlab_cell_faults", {})
+        source = result.info.raw_cell or ""
+        exc = result.error_before_exec or result.error_in_exec
+        names = assigned_names(source)
+        if exc is None:
+            for name in names:
+                faults.pop(name, None)
+            return
+        line = _cell_line(exc)
+        lines = source.splitlines()
+        code = lines[line - 1] if line and 0 < line <= len(lines) else ""
+        if isinstance(exc, KeyboardInterrupt):
+            words = fault_words("timed out", line=line, code=code)
+        else:
+            words = fault_words("raised", error=exception_line(exc), line=line, code=code)
+        for name in names:
+            faults[name] = words
+    except Exception:  # never in the student's way
+        pass
+
+
+def watch_cells():
+    """Remember, in the student's IPython kernel, how the last run of each cell that raised
+    broke, by the names it assigns (a later clean run forgets it): ``expect_defined`` then names
+    the student's own exception and line instead of "not defined yet". The setup cell calls it."""
+    shell = _shell()
+    if shell is None:
+        return
+    callbacks = shell.events.callbacks["post_run_cell"]
+    if not any(getattr(cb, "__name__", "") == "_record_cell" for cb in callbacks):
+        shell.events.register("post_run_cell", _record_cell)
+
+
+def kernel_fault(name):
+    """How the last run of a cell that assigns ``name`` broke (``fault_words``), as
+    ``watch_cells`` recorded it in this kernel; None elsewhere."""
+    return getattr(_shell(), "_jaxlab_cell_faults", {}).get(name)
 
 
 def expect_array(name, ev, shape=None):

@@ -144,6 +144,28 @@ def claim_cells(tests, private, layout):
 
 
 
+# --------------------------------------------------------------------------- labels
+PROMPT = "### Your code here"
+
+
+def cell_labels(nb):
+    """index -> how a message names each of the student's code cells: the answer cell of a
+    question (the one under '### Your code here' before its ``grader.check``), else its first
+    line (notebook interfaces number no cells)."""
+    graders = _grader_names(nb)
+    labels, code = {}, [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    for k, (i, cell) in enumerate(code):
+        after = code[k + 1][1].source if k + 1 < len(code) else ""
+        checked = _checked_questions(after, graders)
+        first = next((ln.strip() for ln in cell.source.splitlines()
+                      if ln.strip() and ln.strip() != PROMPT), "")
+        if checked and cell.source.lstrip().startswith(PROMPT):
+            labels[i] = f"your answer cell for {checked[0]} (under '{PROMPT}')"
+        else:
+            labels[i] = f"your cell that starts `{first[:60]}`" if first else f"cell {i}"
+    return labels
+
+
 # --------------------------------------------------------------------------- answers
 MAX_ANSWER_CHARS = 20_000  # per question: a pasted dataset must not bloat every record
 

@@ -37,6 +37,7 @@ class Verdict:
     # the trusted check raised something other than its AssertionError: the grader's fault
     # (a check that cannot handle this evidence), never evidence against the student
     grader_error: str | None = None
+    undefined: str | None = None  # the graded name the check found unset (form.expect_defined)
 
 
 @dataclasses.dataclass
@@ -128,7 +129,8 @@ def _verdict(checks, q, path, no_answers_reason):
     try:
         checks.verdict(q, evidence)
     except AssertionError as exc:
-        return Verdict(False, str(exc) or "wrong answer", "fail", suspicious, program=program)
+        return Verdict(False, str(exc) or "wrong answer", "fail", suspicious, program=program,
+                       undefined=getattr(exc, "undefined", None))
     except Exception as exc:
         return Verdict(False, GRADER_ERROR_MESSAGE, "error", suspicious, program=program,
                        grader_error=f"{type(exc).__name__}: {exc}"[:300])

@@ -9,6 +9,7 @@ limit or the memory cap; a cell over the per-cell limit is interrupted.
 import dataclasses
 import datetime
 import pathlib
+import re
 import threading
 import time
 
@@ -119,6 +120,34 @@ class _Client(NotebookClient):
         return super().output(outs, msg, display_id, cell_index)
 
 
+@dataclasses.dataclass(frozen=True)
+class CellFault:
+    """How one of the student's cells broke: it "raised", "timed out" (interrupted at the
+    per-cell limit) or was "skipped" (it killed the kernel in a first run)."""
+
+    kind: str
+    error: str = ""  # "Name: text" of what it raised
+    line: int | None = None  # the line of the cell where it raised or was stopped
+    seconds: float | None = None  # the per-cell limit it ran over
+    detail: str = ""  # why a skipped cell was skipped
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def traceback_line(traceback):
+    """The line of the running cell in IPython's traceback text: its first ``Cell In[n], line k``
+    (untrusted text from the kernel: it only words the student's own message)."""
+    match = re.search(r"Cell In\[\d+\], line (\d+)", ANSI.sub("", "\n".join(traceback)))
+    return int(match.group(1)) if match else None
+
+
+def _one_line(error):
+    text = f"{error.get('ename', 'Error')}: {error.get('evalue', '')}".strip()
+    # a SyntaxError names the temporary file IPython compiled the cell to
+    return re.sub(r" \(\d+\.py, line \d+\)$", "", text.splitlines()[0] if text else "")[:300]
+
+
 @dataclasses.dataclass
 class Execution:
     stop: Stop | None = None  # why the kernel stopped before the session ended, if it did
@@ -126,6 +155,8 @@ class Execution:
     timed_out_cells: list = dataclasses.field(default_factory=list)  # student cells interrupted
     grader_timeouts: int = 0  # grader cells over the per-cell limit
     grader_errors: list = dataclasses.field(default_factory=list)  # "Name: text"
+    # student cell index -> how it broke, for the student's messages (engine/blame.py)
+    cell_faults: dict = dataclasses.field(default_factory=dict)
     output_truncated: bool = False
     outputs: list = dataclasses.field(default_factory=list)  # (cell index, text) of student cells
     peak_mb: float = 0
@@ -217,6 +248,11 @@ class Session:
             self.result.grader_timeouts += 1
         elif timed_out:
             self.result.timed_out_cells.append(index)
+        if errors and index is not None:
+            self.result.cell_faults[index] = CellFault(
+                "timed out" if timed_out else "raised",
+                _one_line(errors[-1]), traceback_line(errors[-1].get("traceback", [])),
+                self.limits.cell_timeout if timed_out else None)
         for out in cell.get("outputs", []):
             if out.get("output_type") == "error" and timed_out:
                 continue

@@ -25,12 +25,13 @@ from otter.nbmeta_config import NBMetadataConfig
 from . import process
 from ...checks.form import probe_order
 from .autograder import FORM_MODULE, read_autograder
-from .cells import answer_regions, claim_cells, probe_cells, student_cells
+from .blame import explain
+from .cells import answer_regions, cell_labels, claim_cells, probe_cells, student_cells
 from .judge import score, verdicts
 from .cgroup import Parent
 from .kernel import Caps, Kernel, kernel_env
 from ..model import EvidenceLayout, Record, Settings, StopKind
-from .session import Session
+from .session import CellFault, Session
 from .submissions import BadSubmission, read_submission
 
 # what otter run / otter grade / Gradescope read results from
@@ -47,6 +48,7 @@ class Run:
     strangers: list  # files in the evidence folder that the grader did not write
     phases: dict  # phase -> seconds it took
     programs: dict  # question -> the traced programs of its evidence (traces.tokens)
+    judged: set  # questions whose points the jaxlab checks' verdicts decided
 
 
 class _Clock:
@@ -118,7 +120,7 @@ class Worker:
             nb, files = read_submission(job["submission"])
             self._check_assignment(nb)
             record.answers = answer_regions(nb)
-            self._grade(student_cells(nb), files, record)
+            self._grade(student_cells(nb), files, record, cell_labels(nb))
         except BadSubmission as exc:
             record.catastrophic, record.status = True, str(exc)
         except Exception as exc:  # a grader bug must cost one row, not the batch
@@ -139,20 +141,23 @@ class Worker:
                 f"this notebook names no assignment, but the autograder grades {want!r} "
                 "(otter refuses it too)")
 
-    def _grade(self, cells, files, record):
+    def _grade(self, cells, files, record, labels):
         """Grade; if a cell killed the kernel, grade again once without it."""
-        run = self._run(cells, files)
+        run = self._run(cells, files, labels)
         record.phases, record.cell_seconds = run.phases, run.ex.cell_seconds
         first = run.ex.stop
         if first is not None and first.is_fault:
-            run = self._run([(i, src) for i, src in cells if i != first.cell], files)
+            skipped = CellFault("skipped", detail="in a first run it stopped the kernel ("
+                                + first.describe(self.s.limits.timeout) + ")")
+            run = self._run(cells, files, labels, {first.cell: skipped})
             record.skipped = {"cell": first.cell, "reason": first}
             record.phases = {k: record.phases.get(k, 0) + v for k, v in run.phases.items()}
             record.cell_seconds += run.ex.cell_seconds
         ex = run.ex
         record.stop = ex.stop
         record.programs = run.programs
-        record.questions = {tf.name: _test_file_record(tf) for tf in run.judgement.test_files}
+        record.questions = {tf.name: _test_file_record(tf, tf.name in run.judged)
+                            for tf in run.judgement.test_files}
         timed_out = ex.stop is not None and ex.stop.kind is StopKind.TIMEOUT
         record.outcomes = {q: "timeout" if timed_out and o != "pass" else o
                            for q, o in run.judgement.outcomes.items()}
@@ -171,8 +176,11 @@ class Worker:
         record.status = _status(ex, record, self.s.limits.timeout,
                                 tamper_checked=self.checks is not None)
 
-    def _run(self, cells, files):
-        """One run in a fresh kernel, in its phases."""
+    def _run(self, cells, files, labels, skipped=None):
+        """One run in a fresh kernel, in its phases; ``skipped``: cell index -> CellFault of the
+        cells of ``cells`` left out of this run."""
+        skipped = skipped or {}
+        running = [(i, src) for i, src in cells if i not in skipped]
         clock = _Clock()
         kernel = self.spare or self._start_kernel()
         self.spare = None
@@ -187,7 +195,7 @@ class Worker:
             with Session(kernel, limits) as session:
                 clock.lap("kernel")
                 # 1. the student's cells
-                session.run([src for _, src in cells], [i for i, _ in cells])
+                session.run([src for _, src in running], [i for i, _ in running])
                 clock.lap("student")
                 # the next kernel starts now, not during the student's cells: on this core it
                 # would take ~0.35 CPU-s from them, while the phases below leave it idle at times
@@ -227,6 +235,9 @@ class Worker:
                 decided = self._judge(session.result, layout)
                 clock.lap("judge")
             ex = session.result
+            # the student's own exception, where a cell of theirs left a question's names unset
+            names = {q: self.checks.QUESTIONS[q].names for q in decided} if self.checks else {}
+            decided = explain(decided, {**ex.cell_faults, **skipped}, cells, names, labels)
             # 6. the score, from the verdicts and the claims
             reason = ex.stop.describe(limits.timeout) if ex.stop else None
             judgement = score(self.ag, decided, layout, reason)
@@ -238,7 +249,7 @@ class Worker:
             self._reap()
             clock.lap("close")
         programs = {q: v.program for q, v in decided.items() if v.program}
-        return Run(ex, judgement, strangers, clock.phases, programs)
+        return Run(ex, judgement, strangers, clock.phases, programs, set(decided))
 
     def _judge(self, result, layout):
         """The trusted verdicts, from the evidence the probes left in ``layout``."""
@@ -282,12 +293,15 @@ class Worker:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def _test_file_record(tf):
+def _test_file_record(tf, judged):
+    """otter's test file as the record keeps it; ``judged``: its points were decided by the
+    jaxlab checks, whose messages are written for students (``by_checks`` on those cases)."""
     return {"path": tf.path, "all_or_nothing": tf.all_or_nothing, "cases": [
         {"name": r.test_case.name, "hidden": r.test_case.hidden, "points": r.test_case.points,
          "success_message": r.test_case.success_message,
          "failure_message": r.test_case.failure_message,
-         "passed": r.passed, "message": r.message} for r in tf.test_case_results]}
+         "passed": r.passed, "message": r.message,
+         "by_checks": bool(judged and r.test_case.points)} for r in tf.test_case_results]}
 
 
 def _imitated_reports(outputs, questions):
