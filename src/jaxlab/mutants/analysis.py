@@ -72,6 +72,7 @@ class Outcome:
     decision: dict | None = None
     limit: float | None = None  # limit: the (longer) limit it ran past the second time
     why: tuple = ()  # undecided: why no rule decides it, one reason a line
+    rerun: str = ""  # stopped by its limit once, then finished with the longer one: so
 
 
 @dataclasses.dataclass
@@ -400,31 +401,34 @@ def _classify(runner, lab, question, mutant, limit, reference, volatile, decided
         if again in STOPS:
             return Outcome(question, mutant, "limit", 0.0, f"{_stopped(stop, limit)}; run "
                            f"again, {_stopped(again, longer)}", limit=longer)
-        rerun = f" (first it {_stopped(stop, limit)}; with {longer:.0f} s it finished)"
+        rerun = f"first it {_stopped(stop, limit)}; with {longer:.0f} s it finished"
         stop, limit = again, longer
+
+    def outcome(status, detail, **kwargs):
+        return Outcome(question, mutant, status, 0.0, detail, rerun=rerun, **kwargs)
+
     if stop is not None:  # the tests could not run: no points
-        return Outcome(question, mutant, "killed", 0.0, f"grading failed: {stop[7:]}{rerun}")
+        return outcome("killed", f"grading failed: {stop[7:]}")
     if not verdict.full_marks:
-        return Outcome(question, mutant, "killed", 0.0, _first_failure(verdict) + rerun)
+        return outcome("killed", _first_failure(verdict))
     probed, stop = _grade(runner, answer, only={question}, timeout=limit,
                           evidence_seed=question_seed(lab, question))
     if probed is None or not probed.full_marks:
         # full marks once, not on other fresh inputs: a boundary the draws reach only
         # sometimes; the checks must reach it every time
-        return Outcome(question, mutant, "gap", 0.0,
-                       "full marks on one draw of fresh inputs, not on another" +
-                       (f" (the second run {_stopped(stop, limit)})" if stop in STOPS else
-                        f" (the second run: {stop})" if stop else "") + rerun)
+        return outcome("gap", "full marks on one draw of fresh inputs, not on another" + (
+            f" (the second run {_stopped(stop, limit)})" if stop in STOPS else
+            f" (the second run: {stop})" if stop else ""))
     free = decided.free_paths(question)
     behaviour, method = differences(reference, probed.evidence, volatile, free)
     decision = decided.equivalent.get((question, mutant.key))
     if behaviour:
-        return Outcome(question, mutant, "gap", 0.0, "; ".join(behaviour[:4]) + rerun, decision)
+        return outcome("gap", "; ".join(behaviour[:4]), decision=decision)
     detail = "; ".join(method[:3]) or "the same evidence"
     if decision:
-        return Outcome(question, mutant, "equivalent", 0.0, detail + rerun, decision)
-    return Outcome(question, mutant, "undecided", 0.0, detail + rerun,
-                   why=undecided_why(method, freed(reference, probed.evidence, volatile, free)))
+        return outcome("equivalent", detail, decision=decision)
+    return outcome("undecided", detail, why=undecided_why(
+        method, freed(reference, probed.evidence, volatile, free)))
 
 
 def analyse(lab, *, root=corpus.ROOT, questions=None, operators=None, decisions=None,

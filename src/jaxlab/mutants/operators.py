@@ -679,15 +679,11 @@ ESTABLISHED = frozenset(OPERATORS)
 
 
 # --------------------------------------------------------------------------- mistakes students make
-# Faults outside readers' corpora found (issue 45): the wrong mesh or axis, specs of two operands
-# exchanged, a keyword left out, a ring open at one end, the right values moved the wrong way, a
-# precision lost or kept, an argument of an API call left out. They read the notebook's other
-# cells (``ctx``: meshes, shardings, functions and imports defined before the answer cell).
-
-def _kwarg(name, value):
-    return cst.Arg(value, keyword=cst.Name(name), equal=cst.AssignEqual(
-        cst.SimpleWhitespace(""), cst.SimpleWhitespace("")))
-
+# Faults that answers written by outside readers showed and no earlier operator made (issue
+# 45): the wrong mesh or axis, the specs of two operands exchanged, a keyword left out, a ring
+# open at one end, the right values moved the wrong way, a precision lost or kept, an argument
+# of an API call left out. They read the notebook's earlier cells too (``ctx``: meshes,
+# shardings, functions and imports defined before the answer cell).
 
 def _callee(node):
     """The function a call applies: ``f`` for ``f(...)`` and for ``partial(f, ...)``."""

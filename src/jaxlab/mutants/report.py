@@ -58,6 +58,33 @@ TITLES = {"gap": "Gaps", "undecided": "Undecided", "equivalent": "Equivalent",
           "limit": "Killed by a limit"}
 
 
+def _survivors(analysis, statuses):
+    """A section per status: each mutant, its change, and what was found or decided."""
+    lines = []
+    for status in statuses:
+        chosen = analysis.of(status)
+        if not chosen:
+            continue
+        lines += [f"## {TITLES[status]} ({len(chosen)})", ""]
+        for o in chosen:
+            m = o.mutant
+            lines.append(f"- **{o.question}** `{m.key}` line {m.line}: {_code(m.before)} → "
+                         f"{_code(m.after)}")
+            if o.decision:
+                lines.append(f"  - decided equivalent: “{o.decision['text']}” — "
+                             f"{o.decision['why']}")
+            lines += [f"  - undecided: {why}" for why in o.why]
+            if status == "limit":
+                lines.append(f"  - {o.detail}")
+            elif not (status == "undecided" or status == "equivalent" and
+                      o.detail == "the same evidence"):
+                lines.append(f"  - evidence: {o.detail}")
+            if o.rerun:
+                lines.append(f"  - {o.rerun}")
+        lines.append("")
+    return lines
+
+
 def markdown(analysis, command):
     """The report as a markdown page."""
     lines = [
@@ -80,26 +107,7 @@ def markdown(analysis, command):
         "## Per question", "", *_md_table(["question", *HEAD], _questions(analysis)), "",
         "## Per operator", "", *_md_table(["operator", "family", *HEAD], _operators(analysis)),
         ""]
-    for status in ("gap", "undecided", "equivalent", "limit"):
-        chosen = analysis.of(status)
-        if not chosen:
-            continue
-        lines += [f"## {TITLES[status]} ({len(chosen)})", ""]
-        for o in chosen:
-            m = o.mutant
-            lines.append(f"- **{o.question}** `{m.key}` line {m.line}: {_code(m.before)} → "
-                         f"{_code(m.after)}")
-            if o.decision:
-                lines.append(f"  - decided equivalent: “{o.decision['text']}” — "
-                             f"{o.decision['why']}")
-            for why in o.why:
-                lines.append(f"  - undecided: {why}")
-            if status == "limit":
-                lines.append(f"  - {o.detail}")
-            elif not (status == "undecided" or status == "equivalent" and
-                      o.detail == "the same evidence"):
-                lines.append(f"  - evidence: {o.detail}")
-        lines.append("")
+    lines += _survivors(analysis, ("gap", "undecided"))
     undecided = analysis.of("undecided")
     if undecided:  # a start for the decisions file: each still to be read against the text
         lines += [f"To decide one as equivalent, add it to `tests/mutants/{analysis.lab}.yaml` "
@@ -111,6 +119,7 @@ def markdown(analysis, command):
                 lines += [f"  - key: {o.mutant.key}", f"    change: {o.mutant.change!r}",
                           "    text: ...", "    why: ..."]
         lines += ["```", ""]
+    lines += _survivors(analysis, ("equivalent", "limit"))
     killed = analysis.of("killed")
     if killed:
         lines += [f"## Killed by a check ({len(killed)}), with what the student would read", ""]
@@ -118,7 +127,7 @@ def markdown(analysis, command):
             mine = [o for o in killed if o.question == question]
             lines += [f"<details><summary>{question}: {len(mine)}</summary>", ""]
             lines += [f"- line {o.mutant.line} {o.mutant.operator}: {_code(o.mutant.change)} — "
-                      f"{o.detail}" for o in mine]
+                      f"{o.detail}" + (f" ({o.rerun})" if o.rerun else "") for o in mine]
             lines += ["", "</details>", ""]
     if analysis.stale_decisions:
         lines += ["## Decisions naming no surviving mutant", ""]
@@ -144,7 +153,7 @@ def terminal(analysis, console):
             label = "killed by a limit" if o.status == "limit" else o.status
             console.print(f"[{styles[o.status]}]{label}[/] {o.question} {o.mutant.key} line "
                           f"{o.mutant.line}: {o.mutant.change}", highlight=False, markup=True)
-            for line in o.why or (o.detail,):
+            for line in (*(o.why or (o.detail,)), *((o.rerun,) if o.rerun else ())):
                 console.print(f"    {line}", highlight=False, markup=False)
     for d in analysis.stale_decisions:
         console.print(f"stale decision {d['key']}: {d['change']} (no surviving mutant)",
