@@ -36,8 +36,12 @@ def pytest_collection_modifyitems(config, items):
         group = item.nodeid.split("::")[0]
         answer = item.callspec.params.get("answer") if hasattr(item, "callspec") else None
         lab = item.callspec.params.get("lab") if hasattr(item, "callspec") else None
-        if group.endswith("test_answers.py") and (answer is not None or lab is not None):
-            group = f"answers-{answer.lab if answer is not None else lab}"
+        claim = item.callspec.params.get("claim") if hasattr(item, "callspec") else None
+        claim = claim if isinstance(claim, tuple) else None  # (lab, id); none while empty
+        if group.endswith(("test_answers.py", "test_claims.py")) and \
+                (answer is not None or lab is not None or claim is not None):
+            lab = answer.lab if answer is not None else claim[0] if claim is not None else lab
+            group = f"answers-{lab}"  # one kernel per lab: its solution run serves both
         elif group.endswith("test_grading_paths.py"):  # reads the corpus's verdicts
             group = f"answers-{item.callspec.params['graded_paths']}"
         item.add_marker(pytest.mark.xdist_group(group))
@@ -73,16 +77,19 @@ def graded(tmp_path_factory):
 
     cache, harnesses = {}, {}
 
+    def harness(lab):
+        if lab not in harnesses:
+            harnesses[lab] = corpus.LabHarness(
+                lab, tmp_path_factory.mktemp(lab), tmp_path_factory.mktemp(f"{lab}-jax-cache"))
+        return harnesses[lab]
+
     def verdict(answer):
         if answer.id not in cache:
-            lab = answer.lab
-            if lab not in harnesses:
-                harnesses[lab] = corpus.LabHarness(
-                    lab, tmp_path_factory.mktemp(lab), tmp_path_factory.mktemp(f"{lab}-jax-cache"))
-            cache[answer.id] = harnesses[lab].grade(answer)
+            cache[answer.id] = harness(answer.lab).grade(answer)
         return cache[answer.id]
 
     verdict.harnesses = harnesses
+    verdict.harness = harness  # the lab's kernel holding its solution run
     yield verdict
     for h in harnesses.values():
         h.close()

@@ -50,6 +50,7 @@ from jaxlab.grade.output.tally import in_notebook_order
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT = "### Your code here"
 MARK = "@@corpus@@"
+CLAIM_TAG = "claim:"  # the tag of a cell that measures what the text claims (docs/claims.md)
 
 
 # --------------------------------------------------------------------------- the corpus
@@ -163,6 +164,10 @@ class Release:
                                 (a.name for a in node.names if a.name.startswith("jaxlab_")
                                  and a.name != "jaxlab_form"), self.checks_module)
         self.questions = sorted(self.graded_names)
+        # claim id -> index of the solution cell that measures it (cell tag "claim:<id>")
+        self.claim_cells = {tag[len(CLAIM_TAG):]: i for i, cell in enumerate(self.solution_nb.cells)
+                            for tag in cell.get("metadata", {}).get("tags", [])
+                            if tag.startswith(CLAIM_TAG)}
 
     def answer_source(self, question):
         """The solution's answer cell for ``question``, without its ``### Your code here`` line."""
@@ -329,9 +334,11 @@ class LabHarness:
         self.kernel.run(KERNEL_HELPERS)
         self.kernel.run(f"import sys; sys.path.append({str(self.workdir)!r})")
         self.solution_errors = []
+        self.solution_outputs = {}  # cell index -> what it printed (docs/claims.md reads them)
         for cell in self.release.cells:
             self.kernel.run(f"__corpus_snap({cell.index})")
-            _, err = self.kernel.run(cell.source)
+            out, err = self.kernel.run(cell.source)
+            self.solution_outputs[cell.index] = out
             if err:
                 self.solution_errors.append((cell.index, err))
         self.kernel.run("__corpus_snap('final')")
