@@ -110,7 +110,13 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     from jaxlab import corpus
 
-    lines = corpus.confusion_table(CORPUS)
+    authored = [r[:4] for r in CORPUS if not r[4]]
+    blind = [r[:4] for r in CORPUS if r[4]]
+    lines = corpus.confusion_table(authored) if authored else []
+    if blind:
+        lines += ["", "blind answers (tests/answers/<lab>/blind/):", *corpus.confusion_table(blind)]
+    lines += ["", "public checks (grader.check) on the wrong answers, per lab:",
+              *corpus.public_flag_table([(r[0], r[2], r[5]) for r in CORPUS])]
     terminalreporter.section("answer corpus: confusion table")
     for line in lines:
         terminalreporter.write_line(line)

@@ -25,7 +25,7 @@ def _ids(answers):
 @pytest.mark.parametrize("lab", harness.labs())
 def test_every_graded_question_has_enough_correct_and_wrong_answers(lab):
     release = harness.Release(lab)
-    answers = harness.load_answers(lab)
+    answers = harness.load_answers(lab, blind=False)
     short = {}
     for q in release.questions:
         n_correct = sum(a.correct for a in answers if a.question == q)
@@ -35,8 +35,11 @@ def test_every_graded_question_has_enough_correct_and_wrong_answers(lab):
     assert short == {}, f"(correct, wrong) answers per question, want >= (3, 4): {short}"
     assert {a.question for a in answers} <= set(release.questions)
     assert all(a.message for a in answers if not a.correct), "every wrong answer names a message"
-    names = [a.id for a in answers]
+    names = [a.id for a in harness.load_answers(lab)]
     assert len(names) == len(set(names)), "answer names repeat within a question"
+    blind = [a for a in harness.load_answers(lab) if a.blind]
+    assert all(a.sentence for a in blind), "every blind answer quotes the sentence of its label"
+    assert {a.question for a in blind} <= set(release.questions)
 
 
 @pytest.mark.parametrize("lab", harness.labs())
@@ -52,15 +55,19 @@ def test_solution_run_in_the_harness_is_clean_and_scores_full_marks(lab, graded,
 @pytest.mark.parametrize("answer", ANSWERS, ids=_ids(ANSWERS))
 def test_answer_gets_its_expected_verdict(answer, graded, record_property):
     v = graded(answer)
-    record_property("corpus", [answer.lab, answer.question, answer.correct, v.full_marks])
+    record_property("corpus", [answer.lab, answer.question, answer.correct, v.full_marks,
+                               answer.blind, bool(v.public_flags)])
     if answer.correct:
         assert v.full_marks, (f"correct answer rejected ({answer.why}): "
                               f"{v.own['score']}/{v.own['possible']}\n"
                               + "\n".join(v.failure_messages()))
+        assert not v.public_flags, ("a public check flags a correct answer "
+                                    f"({answer.why}):\n" + "\n".join(v.public_flags))
     else:
         assert not v.full_marks, f"wrong answer accepted ({answer.why})"
         text = "\n".join(v.failure_messages())
-        assert answer.message in text, f"expected {answer.message!r} in:\n{text}"
+        if answer.message is not None:  # a blind answer's message is added once it is graded
+            assert answer.message in text, f"expected {answer.message!r} in:\n{text}"
 
 
 @pytest.mark.parametrize("answer", ANSWERS, ids=_ids(ANSWERS))
@@ -115,3 +122,23 @@ def test_kernel_state_is_back_to_the_solution_after_the_whole_corpus(lab, graded
     results = h.run_tests(h.release.questions)
     scores = {q: (r["score"], r["possible"]) for q, r in results.items()}
     assert all(s == p > 0 for s, p in scores.values()), scores
+
+
+# The public checks (what grader.check runs in the student's notebook) must catch most mistakes
+# before submission, on the notebook's own inputs: the share of the lab's wrong answers whose
+# public cases fail. Labs whose public checks were written to catch mistakes are held to it.
+PUBLIC_FLAG_TARGET = 0.70
+PUBLIC_FLAG_LABS = set()
+
+
+@pytest.mark.parametrize("lab", harness.labs())
+def test_public_checks_flag_most_wrong_answers(lab, graded):
+    wrong = [a for a in harness.load_answers(lab) if not a.correct]
+    flagged = [a for a in wrong if graded(a).public_flags]
+    share = len(flagged) / len(wrong)
+    print(f"{lab}: public checks flag {len(flagged)} of {len(wrong)} wrong answers ({share:.0%})")
+    if lab in PUBLIC_FLAG_LABS:
+        missed = sorted(a.id for a in wrong if a not in flagged)
+        assert share >= PUBLIC_FLAG_TARGET, (
+            f"{lab}: the public checks flag {share:.0%} of the wrong answers, under "
+            f"{PUBLIC_FLAG_TARGET:.0%}; not flagged:\n" + "\n".join(missed))

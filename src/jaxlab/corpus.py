@@ -64,10 +64,16 @@ class Answer:
     correct: bool
     message: str | None = None  # what the failure must say
     other_questions_lose: tuple = ()
+    # written blind (tests/answers/<lab>/blind/: from the student notebook alone, by someone
+    # who never saw the checks), with the sentence its label rests on and the mistake's kind
+    blind: bool = False
+    sentence: str | None = None
+    kind: str | None = None
 
     @property
     def id(self):
-        return f"{self.lab}/{self.question}/{'correct' if self.correct else 'wrong'}/{self.name}"
+        label = "correct" if self.correct else "wrong"
+        return f"{self.lab}/{self.question}/{'blind/' if self.blind else ''}{label}/{self.name}"
 
     def cell_source(self):
         return f"{PROMPT}\n{self.code.rstrip()}\n"
@@ -88,9 +94,14 @@ def labs(root=ROOT):
     return found
 
 
-def load_answers(lab, root=ROOT):
+def load_answers(lab, root=ROOT, *, blind=True):
+    """The corpus of ``lab``: its answers, then (``blind``) those of its ``blind/`` folder."""
+    folder = answers_folder(root) / lab
+    paths = [(p, False) for p in sorted(folder.glob("*.yaml"))]
+    if blind:
+        paths += [(p, True) for p in sorted((folder / "blind").glob("*.yaml"))]
     answers = []
-    for path in sorted((answers_folder(root) / lab).glob("*.yaml")):
+    for path, written_blind in paths:
         data = yaml.safe_load(path.read_text()) or {}
         unknown = set(data) - {"correct", "wrong"}
         if unknown:
@@ -101,7 +112,9 @@ def load_answers(lab, root=ROOT):
                     lab=lab, question=path.stem, name=entry["name"], why=entry["why"],
                     code=entry["code"], correct=kind == "correct",
                     message=entry.get("message"),
-                    other_questions_lose=tuple(entry.get("other_questions_lose", ()))))
+                    other_questions_lose=tuple(entry.get("other_questions_lose", ())),
+                    blind=written_blind, sentence=entry.get("sentence"),
+                    kind=entry.get("kind")))
     return answers
 
 
@@ -317,6 +330,12 @@ class Verdict:
     def full_marks(self):
         return self.own["score"] == self.own["possible"]
 
+    @property
+    def public_flags(self):
+        """The messages of the question's public cases that failed: what ``grader.check``
+        says in the student's notebook."""
+        return [c["message"] for c in self.own["cases"] if not c["hidden"] and not c["passed"]]
+
     def failure_messages(self):
         return [c["message"] for c in self.own["cases"] if not c["passed"]]
 
@@ -470,4 +489,18 @@ def confusion_table(outcomes):
     total = [sum(r[i] for r in rows.values()) for i in range(4)]
     lines.append(f"{'total':<{width + 21}} {total[0]:>10} {total[1]:>11} {total[2]:>8} "
                  f"{total[3]:>9}")
+    return lines
+
+
+def public_flag_table(outcomes):
+    """Lines of a table: per lab, how many wrong answers the public checks flag, and how many
+    correct answers they flag (should be none). ``outcomes``: (lab, correct, flagged)."""
+    rows = {}
+    for lab, correct, flagged in outcomes:
+        row = rows.setdefault(lab, [0, 0, 0, 0])  # wrong flagged, wrong, correct flagged, correct
+        row[0 if not correct else 2] += bool(flagged)
+        row[1 if not correct else 3] += 1
+    lines = [f"{'lab':<20} {'wrong flagged':>14} {'share':>6} {'correct flagged':>16}"]
+    for lab, (wf, w, cf, c) in sorted(rows.items()):
+        lines.append(f"{lab:<20} {f'{wf}/{w}':>14} {wf / max(w, 1):>6.0%} {f'{cf}/{c}':>16}")
     return lines
