@@ -169,10 +169,14 @@ def test_another_mesh_of_the_notebook_is_passed_where_one_is_used():
             'f = jax.shard_map(g, mesh=mesh, in_specs=P("data"), out_specs=P())\n'
             'y = jax.device_put(b, rows)\n')
     found = {m.after for m in ops.mutants(cell, ["wrong-mesh"], SCOPE)}
-    # a mesh with the same axes, not the one built by the same call, nor one without the axes
+    # a mesh with the axes used, not the one built by the same call, nor one without the axes
     assert found == {"NamedSharding(... mesh_auto ...)", "shard_map(... mesh=mesh_auto ...)",
                      "device_put(... columns ...)"}
     assert not ops.mutants(cell, ["wrong-mesh"])  # no other mesh in scope: nothing to pass
+    # a replicated spec names no axis: any other mesh places the array without an error
+    replicated = 'w = jax.device_put(c, NamedSharding(mesh, P()))\n'
+    assert {m.after for m in ops.mutants(replicated, ["wrong-mesh"], SCOPE)} == {
+        "NamedSharding(... mesh_auto ...)", "NamedSharding(... mesh_seq ...)"}
 
 
 def test_one_mesh_axis_for_another_and_two_operands_specs_exchanged():

@@ -695,13 +695,14 @@ def _callee(node):
 MESH_CALLS = ("make_mesh", "Mesh", "AbstractMesh")
 
 
-def _other_meshes(ctx, current):
-    """Meshes of the notebook to pass instead of ``current``: those having every axis the
-    current one has (or, for a mesh the cell receives, every axis its specs name), and not
-    built by the same call (the same mesh under another name)."""
+def _other_meshes(ctx, current, need=None):
+    """Meshes of the notebook to pass instead of ``current``: those having every axis in
+    ``need`` (default: the axes of the current mesh, or for a mesh the cell receives, those its
+    specs name), and not built by the same call (the same mesh under another name)."""
     meshes = ctx["meshes"]
     axes, code = meshes.get(current, (None, None))
-    need = set(axes) if axes is not None else set(ctx["axis_names"]) & ctx["all_axes"]
+    if need is None:
+        need = set(axes) if axes is not None else set(ctx["axis_names"]) & ctx["all_axes"]
     for other in sorted(meshes):
         other_axes, other_code = meshes[other]
         if other != current and other_axes is not None and need <= other_axes and \
@@ -711,15 +712,23 @@ def _other_meshes(ctx, current):
 
 @operator("wrong-mesh", "jax")
 def _wrong_mesh(node, ctx):
-    """Another of the notebook's meshes passed: in ``NamedSharding(mesh, ...)``,
-    ``shard_map(mesh=...)`` or ``jax.set_mesh``; another sharding given to ``jax.device_put``."""
+    """Another of the notebook's meshes passed: in ``NamedSharding(mesh, ...)`` (any mesh with
+    the axes its literal spec names: every mesh for ``P()``), ``shard_map(mesh=...)`` or
+    ``jax.set_mesh`` (a mesh with the same axes); another sharding given to
+    ``jax.device_put``."""
     if not isinstance(node, cst.Call):
         return
     callee, positional = _callee(node), _positional(node)
     if callee in ("NamedSharding", "shard_map", "set_mesh", "use_mesh"):
         arg = _keyword(node, "mesh") or (positional[0] if positional and callee in (
             "NamedSharding", "set_mesh", "use_mesh") else None)
-        others = lambda name: _other_meshes(ctx, name)  # noqa: E731
+        spec = _keyword(node, "spec") or (positional[1] if len(positional) > 1 else None)
+        need = None
+        if callee == "NamedSharding" and spec is not None and _call_of(spec.value, *SPEC_CALLS) \
+                and not any(a.star for a in spec.value.args):
+            need = {s.evaluated_value for s in _walk(spec.value)
+                    if isinstance(s, cst.SimpleString)}
+        others = lambda name: _other_meshes(ctx, name, need)  # noqa: E731
     elif callee == "device_put":
         arg = _keyword(node, "device") or (positional[1] if len(positional) > 1 else None)
         others = lambda name: (s for s in sorted(ctx["shardings"]) if s != name and  # noqa: E731
