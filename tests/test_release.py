@@ -364,3 +364,29 @@ def test_a_broken_committed_release_gets_a_message_not_a_traceback(tmp_path, rel
     solution.write_text("<<<<<<< HEAD\n" + solution.read_text())
     assert release.stale_files(root=tmp_path, name=lab, built=release_build(lab)) == [
         f"solutions/{lab}/{lab}.ipynb"]
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_every_zip_shows_each_questions_result_on_gradescope_at_submission(lab):
+    with zipfile.ZipFile(release_paths(lab)["autograder"]) as zf:
+        config = json.loads(zf.read("otter_config.json"))
+    assert {k: config.get(k) for k in release.RESULTS_SHOWN} == release.RESULTS_SHOWN
+
+
+@pytest.mark.parametrize("own, shown", [
+    ("", release.RESULTS_SHOWN),
+    ("generate:\n  show_all_public: false\n", {"show_hidden": True, "show_all_public": False}),
+    ("generate:\n  show_hidden: false\n  show_all_public: false\n",
+     {"show_hidden": False, "show_all_public": False}),
+])
+def test_a_masters_own_generate_keys_win_over_the_release_default(tmp_path, own, shown):
+    import yaml
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_raw_cell("# ASSIGNMENT CONFIG\nname: x\n" + own)]
+    nbformat.write(nb, tmp_path / "x.ipynb")
+    release._with_results_shown(tmp_path / "x.ipynb")
+    text = nbformat.read(tmp_path / "x.ipynb", as_version=4).cells[0].source
+    assert text.startswith("# ASSIGNMENT CONFIG\n")
+    config = yaml.safe_load(text.split("\n", 1)[1])
+    assert config["name"] == "x" and {k: config["generate"][k] for k in shown} == shown

@@ -133,3 +133,61 @@ def test_honest_results_json_matches_otter_run(graded, lab, tmp_path):
     shape = lambda r: [(t["name"], t.get("score"), t.get("max_score"), t.get("visibility"))  # noqa: E731
                        for t in r["tests"]]
     assert shape(ours) == shape(theirs)
+
+
+# A Lab 4 submission with three wrong answers (from its answer corpus), graded through the
+# released zip's entry point with the release's Gradescope setting and with the publish-later
+# one an instructor may choose (README, "Gradescope settings").
+MISTAKES = {"q7_loss_dp": "psum_of_means", "q2_global_sum": "pmean_of_block_sums",
+            "q3_matmul_allgather": "no_collective_local_product"}
+VISIBILITY = {"release default": (None, "visible"),
+              "publish later": ({"show_all_public": False}, "after_published")}
+
+
+@pytest.fixture(scope="module")
+def lab4_with_mistakes(tmp_path_factory):
+    from jaxlab import corpus
+
+    lab = "lab4-shard-map"
+    base = tmp_path_factory.mktemp("visibility")
+    by_id = {a.id: a for a in corpus.load_answers(lab)}
+    answers = [by_id[f"{lab}/{q}/wrong/{name}"] for q, name in MISTAKES.items()]
+    notebook = base / f"{lab}.ipynb"
+    import nbformat
+
+    nbformat.write(corpus.Release(lab).notebook_with(answers), notebook)
+    runs = {}
+    for setting, (config, _) in VISIBILITY.items():
+        zip_path = base / f"{setting.replace(' ', '-')}.zip"
+        shutil.copy(corpus.Release(lab).autograder, zip_path)
+        if config:  # what the master's `generate:` keys would have written
+            with zipfile.ZipFile(zip_path) as zf:
+                entries = {n: zf.read(n) for n in zf.namelist()}
+            written = json.loads(entries["otter_config.json"])
+            entries["otter_config.json"] = json.dumps({**written, **config}).encode()
+            with zipfile.ZipFile(zip_path, "w") as zf:
+                for n, data in entries.items():
+                    zf.writestr(n, data)
+        runs[setting] = (zip_path, base / setting.replace(" ", "-"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {s: pool.submit(run_container, z, notebook, root)
+                   for s, (z, root) in runs.items()}
+        return answers, {s: f.result()[0] for s, f in futures.items()}
+
+
+@pytest.mark.parametrize("setting", list(VISIBILITY))
+def test_each_lost_question_shows_its_reason_on_gradescope(lab4_with_mistakes, setting):
+    """Read from the results.json the zip writes: every question's result carries the checks'
+    message, at submission by default (Gradescope's "visible") or once grades are published."""
+    answers, results = lab4_with_mistakes
+    _, visibility = VISIBILITY[setting]
+    tests = {t["name"]: t for t in results[setting]["tests"]}
+    for a in answers:
+        test = tests[a.question]
+        assert test["score"] == 0 and test["visibility"] == visibility, test
+        assert a.message in test["output"], (a.id, test["output"])
+        assert "Traceback" not in test["output"]
+    kept = [t for name, t in tests.items() if "max_score" in t and name not in MISTAKES]
+    assert kept and all(t["score"] == t["max_score"] for t in kept)
+    assert all(t["visibility"] == visibility for t in kept)
+    assert tests["Public Tests"]["visibility"] == "visible"

@@ -73,6 +73,29 @@ def _assign_config(master):
     return yaml.safe_load(first.source.split("\n", 1)[1])
 
 
+# What students see on Gradescope, in otter's own configuration (otter_config.json): every
+# question's result and the checks' message, at submission. otter's defaults hide the result of
+# every test file holding a hidden case ("visibility": "hidden", never shown); `show_hidden`
+# shows them once grades are published, and `show_all_public` at submission when every case is
+# public. jaxlab's checks write their messages for students, so its grader reports their cases as
+# public under `show_all_public` (output/results.py). A master's own `generate:` keys win: to show
+# the reasons only after publishing, give it `generate: {show_all_public: false}` (README).
+RESULTS_SHOWN = {"show_hidden": True, "show_all_public": True}
+
+
+def _with_results_shown(master):
+    """The staged master's ASSIGNMENT CONFIG with ``RESULTS_SHOWN`` under its own ``generate``."""
+    nb = nbformat.read(master, as_version=4)
+    head, text = nb.cells[0].source.split("\n", 1)
+    config = yaml.safe_load(text)
+    generate = config.get("generate")
+    if generate is False:
+        return
+    config["generate"] = {**RESULTS_SHOWN, **(generate if isinstance(generate, dict) else {})}
+    nb.cells[0].source = head + "\n" + yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+    nbformat.write(nb, master)
+
+
 def _stage(root, name, workdir):
     """Copy the master and the support modules it names into ``workdir``."""
     src = root / "assignments" / name
@@ -92,6 +115,7 @@ def _stage(root, name, workdir):
     if config.get("environment") and not (stage / config["environment"]).exists():
         text = resources.files("jaxlab.release").joinpath("environment.yml").read_text()
         (stage / config["environment"]).write_text(text)
+    _with_results_shown(stage / f"{name}.ipynb")
     return stage / f"{name}.ipynb"
 
 

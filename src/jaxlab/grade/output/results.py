@@ -13,7 +13,12 @@ CSV = "final_grades.csv"
 
 
 def results_of(record, autograder):
-    """The otter ``GradingResults`` a worker's record stands for."""
+    """The otter ``GradingResults`` a worker's record stands for.
+
+    Under otter's ``show_all_public`` (the release's default, ``release.RESULTS_SHOWN``) a
+    hidden case whose result the jaxlab checks decided counts as public: its code stays hidden,
+    and its message, written for the student, is shown on Gradescope at submission."""
+    shown = bool(getattr(autograder.config, "show_all_public", False))
     if record.catastrophic:
         results = GradingResults.without_results(Exception(record.status))
     else:
@@ -21,7 +26,8 @@ def results_of(record, autograder):
         for q, data in record.questions.items():
             tf = type(autograder.tests[q])(q, data["path"], [], data["all_or_nothing"])
             for case in data["cases"]:
-                tc = TestCase(case["name"], None, case["hidden"], case["points"],
+                hidden = case["hidden"] and not (shown and case.get("by_checks", False))
+                tc = TestCase(case["name"], None, hidden, case["points"],
                               case["success_message"], case["failure_message"])
                 tf.test_cases.append(tc)
                 tf.test_case_results.append(TestCaseResult(tc, case["message"], case["passed"]))
