@@ -523,6 +523,193 @@ def test_what_a_cell_only_prints_is_not_mutated():
     assert found and all(m.line == 1 for m in found)
 
 
+# --------------------------------------------------------------------------- message kinds
+def kind(text, operator="arithmetic", before="a * b", after="a / b", graded=("step_flops",),
+         **kwargs):
+    from jaxlab.mutants import messages
+
+    return messages.classify(text, operator=operator, before=before, after=after,
+                             graded=graded, **kwargs)[0]
+
+
+def test_otters_framing_is_not_what_the_student_is_told():
+    from jaxlab.mutants import messages
+
+    raw = ("❌ Test case failed\nError at line 3 in test q1_vmap_collective:\n  jaxlab_lab4.che"
+           "ck('q1_vmap_collective', f=f)\nAssertionError: `f` has the wrong values: expected "
+           "3.0, found 4.0")
+    exception, text = messages.student_text(raw)
+    assert (exception, text) == ("AssertionError", "`f` has the wrong values: expected 3.0, "
+                                                   "found 4.0")
+    # the test's own line names jaxlab_lab4: otter's framing, the same for every message
+    assert kind(text, graded=("f",)) == "fault"
+    assert messages.student_text("❌ Test case failed\nError at line 2 in test q8:\n  x = 1\n"
+                                 "KeyError: output") == ("KeyError", "output")
+
+
+def test_a_cell_that_raised_is_the_students_exception_or_a_generic_not_defined():
+    not_defined = ("`A_sharded` is not defined yet (it holds None): write your answer in the "
+                   "cell under '### Your code here' and run it.")
+    graded = ("A_sharded",)
+    # the issue's pattern: the mutant's cell raised, and the message lost the exception
+    assert kind(not_defined, "swap-args", graded=graded,
+                raised=("TypeError: device_put() got an unexpected sharding",)) == "generic"
+    assert kind(not_defined, "drop-statement", graded=graded) == "generic"
+    # nothing raised and the name was set: the message blames an answer that is there
+    assert kind(not_defined, "spec", graded=graded) == "misleading"
+    # the engine's wording since issue 44: the student's own exception and line
+    assert kind("`A_sharded` was never set: the cell that assigns it raised TypeError: "
+                "device_put() got multiple values at line 2 (`A_sharded = ...`). Fix that and "
+                "run the cell again; then run this check.", "swap-args",
+                graded=graded) == "exception"
+    assert kind("`loss_2d(params, batch) on new data (48 examples)` on new data raised "
+                "ValueError: shapes (48, 16) and (8, 16) are incompatible", "transpose",
+                graded=("loss_2d",)) == "exception"
+    assert kind("`zero_step` could not be traced with jax.make_jaxpr: ValueError: in_specs "
+                "has 2 entries", "specs", graded=("zero_step",)) == "exception"
+
+
+def test_internals_and_timeouts_are_kinds_of_their_own():
+    assert kind("Your answer could not be checked (KeyError: 'output').") == "internals"
+    assert kind("output", exception="KeyError") == "internals"  # escaped the check
+    assert kind("Traceback (most recent call last):\n  File \"/x/jaxlab_lab5.py\", line 3, in "
+                "check") == "internals"
+    assert kind("`step_flops` is {'kind': 'array', 'shape': [3]}; expected an int") == \
+        "internals"
+    assert kind("GRADER ERROR (not the student's): the check of q8 raised KeyError") == \
+        "internals"
+    assert kind("stopped after 20 s or killed the kernel") == "timeout"
+    assert kind("ran past its 20 s limit; run again, ran past its 60 s limit",
+                limit=True) == "timeout"
+    assert kind("`train_script` got stuck on new data (96 rows): after 30 s, both processes "
+                "had stopped using the CPU", graded=("train_script",)) == "timeout"
+
+
+def test_a_type_message_is_misleading_for_a_mutant_that_changed_a_value():
+    # the issue's Lab 7 q8: the formula is wrong, the message blames the type
+    text = ("`step_flops(cfg, batch=4, seq=16) with vocab 50, d_model 32, d_ff 64, 2 layers` "
+            "returned the number 5.94761e+09 of type float; expected a Python int.")
+    assert kind(text, "arithmetic", "2 * tokens * n_params", "2 * tokens / n_params") == \
+        "misleading"
+    # ... and names the fault where the mutant changed the type
+    assert kind(text, "conversion", "int(flops)", "flops") == "fault"
+    assert kind(text, "arithmetic", "flops // 2", "flops / 2") == "fault"
+    assert kind("`critical_batch(1e+14, 2e+12, chip)` returned None; expected an int.",
+                "drop-statement", "return b", "(removed)", graded=("critical_batch",)) == \
+        "generic"
+    assert kind("`f` should be a function; it is the number 3.", "constant",
+                graded=("f",)) == "misleading"
+
+
+def test_a_message_names_the_fault_with_a_word_of_the_mutants_family():
+    values = ("`tp_forward(params, tokens, mesh, n_heads) for 3 layers` has the wrong values: "
+              "expected the single-device forward, but they differ by 0.31.")
+    graded = ("tp_forward",)
+    assert kind(values, "constant", graded=graded) == "fault"
+    # the same words for a collective changed: correct, but not about what changed ("mesh"
+    # in the call's arguments is no word of the fault)
+    assert kind(values, "collective", "lax.psum(x, 'model')", "lax.pmean(x, 'model')",
+                graded=graded) == "generic"
+    assert kind(values, "spec", "P('model')", "P(None)", graded=graded) == "generic"
+    assert kind("`update(params, xs, ys)` sums the per-device gradients with psum; expected "
+                "their mean over the batch axis", "collective", "lax.pmean(g, 'batch')",
+                "lax.psum(g, 'batch')", graded=("update",)) == "fault"
+    assert kind("`x_auto` is replicated on every device of the 8-device mesh; expected it "
+                "split along the batch axis (dimension 0) across the mesh axis 'data' (spec "
+                "P('data'))", "spec", "P('data')", "P(None)", graded=("x_auto",)) == "fault"
+    assert kind("`train_step` is not wrapped in jax.jit; expected one compiled program per "
+                "step", "jit", "@jax.jit", "(decorator removed)",
+                graded=("train_step",)) == "fault"
+    # an identifier the mutant changed, named in the message
+    assert kind("`gather_all(x)` should return every shard; expected all_to_all's output "
+                "instead", "communication", "lax.all_to_all(x, 'd', 0, 0)", "lax.all_gather(x, "
+                "'d')", graded=("gather_all",)) == "fault"
+    # no graded variable named, or nothing expected: generic
+    assert kind("psum adds up the per-device mean losses. Average them with jax.lax.pmean",
+                "collective", graded=("loss_fn",)) == "generic"
+    assert kind("`tp_forward` is slow", "constant", graded=graded) == "generic"
+
+
+def _killed(question="q1", status="killed", messages=(), detail="d", raised=()):
+    mutant = ops.mutants("y = x + 1\n", ["arithmetic"])[0]
+    return analysis.Outcome(question, mutant, status, 1.0, detail, messages=messages,
+                            raised=raised)
+
+
+def test_a_killed_mutant_keeps_every_failing_case_and_the_cells_that_raised():
+    class Verdict:
+        full_marks, evidence = False, None
+        own = {"cases": [{"hidden": False, "passed": False, "message": "public says"},
+                         {"hidden": True, "passed": True, "message": "✅ Test case passed"},
+                         {"hidden": True, "passed": False, "message": "hidden says"}]}
+        cell_errors = [(7, "TypeError: bad")]
+
+        def failure_messages(self):
+            return ["public says", "hidden says"]
+
+    outcome, _ = _classify([Verdict()])
+    assert outcome.status == "killed" and outcome.detail == "public says"
+    assert outcome.messages == ((False, "public says"), (True, "hidden says"))
+    assert outcome.raised == ("TypeError: bad",)
+    # a verdict that only has its messages: each the hidden case's
+    outcome, _ = _classify([_Verdict(False)])
+    assert outcome.messages == ((True, "expected 3, found 4"),)
+
+
+def test_the_report_counts_the_messages_by_kind_and_samples_each_kind():
+    from jaxlab.mutants import messages, report
+
+    framed = "❌ Test case failed\nError at line 3 in test q1:\n  check()\nAssertionError: "
+    outcomes = [
+        _killed(messages=((True, framed + "`y` has the wrong values: expected 3, found 4"),
+                          (False, framed + "`y` is not defined yet (it holds None)")),
+                raised=("TypeError: x",)),
+        _killed(messages=((True, framed + "`y` returned the number 2 of type float; expected "
+                                          "a Python int."),)),
+        _killed("q2", "limit", detail="ran past its 20 s limit; run again, ran past its 60 s "
+                                      "limit"),
+        _killed("q2", "killed", detail="grading failed: KernelError"),
+        analysis.Outcome("q2", _killed().mutant, "undecided", 1.0, "the same evidence")]
+    result = analysis.Analysis("lab", outcomes, 10.0, 1.0, [], {"q1": ["y"], "q2": ["z"]})
+    found = messages.of_analysis(result)
+    assert [(m.question, m.hidden, m.kind) for m in found] == [
+        ("q1", True, "fault"), ("q1", False, "generic"), ("q1", True, "misleading"),
+        ("q2", True, "timeout"), ("q2", True, "internals")]
+    text = report.markdown(result, "jaxlab mutants lab")
+    assert "## Messages of the killed mutants (5)" in text
+    assert ("| question | killed mutants | messages (hidden / public) | names the fault | "
+            "student's exception | generic | timeout | misleading | internals |") in text
+    assert "| q1 | 2 | 3 (2 / 1) | 1 | 0 | 1 | 0 | 1 | 0 |" in text
+    assert "| q2 | 2 | 2 (2 / 0) | 0 | 0 | 0 | 1 | 0 | 1 |" in text
+    assert "| **all** | 4 | 5 (4 / 1) | 1 | 0 | 1 | 1 | 1 | 1 |" in text
+    assert "| all, public cases |  | 1 (0 / 1) | 0 | 0 | 1 | 0 | 0 | 0 |" in text
+    assert "### Misleading: 1 of 1, drawn with seed 44" in text
+    assert "  - rule: a type message ('expected a Python int') for a mutant by arithmetic, " \
+           "which changes a value, not its type" in text
+    assert "kinds: names the fault (hidden), generic (public)" in text
+    # the sample: at most SAMPLE_SIZE a kind, the same draw every time, in the report's order
+    many = [messages.Message("q", "op", "c", True, f"m{i}", "generic") for i in range(30)]
+    drawn = messages.sample(many, "generic")
+    assert len(drawn) == messages.SAMPLE_SIZE and drawn == messages.sample(many, "generic")
+    assert drawn == sorted(drawn, key=many.index)
+
+
+def test_the_terminal_prints_the_counts_per_kind():
+    import io
+
+    from rich.console import Console
+
+    from jaxlab.mutants import report
+
+    framed = "AssertionError: `y` has the wrong values: expected 3"
+    result = analysis.Analysis("lab", [_killed(messages=((True, framed),))], 1.0, 1.0, [],
+                               {"q1": ["y"]})
+    out = io.StringIO()
+    report.terminal(result, Console(file=out, width=200))
+    assert "messages of the killed mutants (1): names the fault 1, student's exception 0, " \
+           "generic 0, timeout 0, misleading 0, internals 0" in out.getvalue()
+
+
 # --------------------------------------------------------------------------- the tool, for real
 @pytest.mark.slow
 def test_one_question_analysed_with_the_shipped_checks_kills_or_decides_every_mutant(graded):

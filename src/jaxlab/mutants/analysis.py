@@ -73,6 +73,8 @@ class Outcome:
     limit: float | None = None  # limit: the (longer) limit it ran past the second time
     why: tuple = ()  # undecided: why no rule decides it, one reason a line
     rerun: str = ""  # stopped by its limit once, then finished with the longer one: so
+    messages: tuple = ()  # killed: (hidden, otter's message) of each failing case of the question
+    raised: tuple = ()  # killed: "Name: text" of each replayed cell that raised
 
 
 @dataclasses.dataclass
@@ -82,6 +84,7 @@ class Analysis:
     seconds: float
     solution_seconds: float  # the harness's solution run
     stale_decisions: list  # decisions that name no surviving mutant (to remove or re-key)
+    graded: dict = dataclasses.field(default_factory=dict)  # question -> names its tests read
 
     def of(self, status):
         return [o for o in self.outcomes if o.status == status]
@@ -365,6 +368,14 @@ def _first_failure(verdict):
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def _messages(verdict):
+    """(hidden, message) of each failing case of the question: what the student reads."""
+    own = getattr(verdict, "own", None)
+    if own is None:  # a verdict without its cases: its messages, as the hidden case's
+        return tuple((True, m) for m in verdict.failure_messages())
+    return tuple((c["hidden"], c["message"]) for c in own["cases"] if not c["passed"])
+
+
 def _stopped(why, limit):
     """What stopped a grading, in the report's words."""
     return f"ran past its {limit:.0f} s limit" if why == "limit" else \
@@ -410,7 +421,8 @@ def _classify(runner, lab, question, mutant, limit, reference, volatile, decided
     if stop is not None:  # the tests could not run: no points
         return outcome("killed", f"grading failed: {stop[7:]}")
     if not verdict.full_marks:
-        return outcome("killed", _first_failure(verdict))
+        return outcome("killed", _first_failure(verdict), messages=_messages(verdict),
+                       raised=tuple(err for _, err in getattr(verdict, "cell_errors", ())))
     probed, stop = _grade(runner, answer, only={question}, timeout=limit,
                           evidence_seed=question_seed(lab, question))
     if probed is None or not probed.full_marks:
@@ -480,4 +492,5 @@ def analyse(lab, *, root=corpus.ROOT, questions=None, operators=None, decisions=
         runner.close()
     stale = [d for (q, key), d in sorted(decided.equivalent.items())
              if q in questions and (q, key) not in seen]
-    return Analysis(lab, outcomes, time.monotonic() - start, solution_seconds, stale)
+    return Analysis(lab, outcomes, time.monotonic() - start, solution_seconds, stale,
+                    {q: sorted(release.graded_names[q]) for q in questions})

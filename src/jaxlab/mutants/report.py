@@ -1,10 +1,12 @@
 """What ``jaxlab mutants`` shows: a table per question and per operator, every survivor with its
-change and what was found or decided, every kill by a limit with the limit it hit (markdown for
+change and what was found or decided, every kill by a limit with the limit it hit, the killed
+mutants' messages counted by kind with a sample of each (``messages``) (markdown for
 ``docs/mutants/<lab>.md``, rich for the terminal)."""
 
 import collections
 import datetime
 
+from . import messages as msgs
 from . import operators as ops
 
 HEAD = ["mutants", "killed by a check", "killed by a limit", "equivalent", "gaps", "undecided",
@@ -85,6 +87,70 @@ def _survivors(analysis, statuses):
     return lines
 
 
+def _kinds_of(outcome, analysis):
+    """' — kinds: generic (hidden), internals (public)' for a killed mutant's messages."""
+    found = msgs.of_outcome(outcome, tuple(analysis.graded.get(outcome.question, ())))
+    return " — kinds: " + ", ".join(
+        f"{msgs.LABELS[m.kind]} ({'hidden' if m.hidden else 'public'})" for m in found) \
+        if found else ""
+
+
+def _kind_row(name, mutants, messages):
+    c = msgs.counts(messages)
+    hidden = sum(m.hidden for m in messages)
+    return [name, mutants, f"{len(messages)} ({hidden} / {len(messages) - hidden})",
+            *[c[k] for k in msgs.KINDS]]
+
+
+def _message_kinds(analysis, messages):
+    """The section on what the killed mutants' students read: counts per kind (per question,
+    hidden and public cases apart) and a fixed-seed sample of each kind for a person."""
+    killed = [o for o in analysis.outcomes if o.status in ("killed", "limit")]
+    if not killed:
+        return []
+    head = ["question", "killed mutants", "messages (hidden / public)",
+            *[msgs.LABELS[k] for k in msgs.KINDS]]
+    rows = []
+    for question in dict.fromkeys(o.question for o in killed):
+        rows.append(_kind_row(question, sum(o.question == question for o in killed),
+                              [m for m in messages if m.question == question]))
+    rows.append(_kind_row("**all**", len(killed), messages))
+    rows.append(_kind_row("all, hidden cases", "", [m for m in messages if m.hidden]))
+    rows.append(_kind_row("all, public cases", "", [m for m in messages if not m.hidden]))
+    lines = [f"## Messages of the killed mutants ({len(messages)})", "",
+             "What the student reads for each killed mutant: the message of every failing case "
+             "of its question (the hidden case, which holds the points and is shown on "
+             "Gradescope, and the public cases `grader.check` runs), and for a kill by a limit "
+             "the timeout. Each message's kind comes from the first rule that applies "
+             "(`src/jaxlab/mutants/messages.py`): *internals*: a traceback, a path or module "
+             "of the grader, a repr of evidence, \"could not be checked\", or an exception "
+             "other than the check's AssertionError; *timeout*: a kill by a limit or a stopped "
+             "run; *student's exception*: it names the exception the student's code raised; "
+             "\"not defined yet\" is *generic* where a cell raised or a statement was left "
+             "out, else *misleading*; a type message is *names the fault* for a mutant that "
+             "changes a type, *generic* where None was found, else *misleading*; *names the "
+             "fault*: it names a graded variable in backticks, says what was expected and has "
+             "a word of the mutant's operator family (or an identifier the mutant changed); "
+             "else *generic*. The rules are heuristics: read the sample below. Target: no "
+             "misleading message and no internals.", "",
+             *_md_table(head, rows), ""]
+    for kind in msgs.KINDS:
+        chosen = msgs.sample(messages, kind)
+        if not chosen:
+            continue
+        mine = sum(m.kind == kind for m in messages)
+        lines += [f"### {msgs.LABELS[kind].capitalize()}: {len(chosen)} of {mine}, drawn "
+                  f"with seed {msgs.SAMPLE_SEED}", ""]
+        for m in chosen:
+            text = " ".join(m.text.split())
+            text = text if len(text) <= 400 else text[:397] + "..."
+            lines += [f"- **{m.question}** {m.operator} {_code(m.change)}, "
+                      f"{'hidden' if m.hidden else 'public'} case — {text}",
+                      f"  - rule: {m.rule}"]
+        lines.append("")
+    return lines
+
+
 def markdown(analysis, command):
     """The report as a markdown page."""
     lines = [
@@ -120,6 +186,8 @@ def markdown(analysis, command):
                           "    text: ...", "    why: ..."]
         lines += ["```", ""]
     lines += _survivors(analysis, ("equivalent", "limit"))
+    messages = msgs.of_analysis(analysis)
+    lines += _message_kinds(analysis, messages)
     killed = analysis.of("killed")
     if killed:
         lines += [f"## Killed by a check ({len(killed)}), with what the student would read", ""]
@@ -127,7 +195,8 @@ def markdown(analysis, command):
             mine = [o for o in killed if o.question == question]
             lines += [f"<details><summary>{question}: {len(mine)}</summary>", ""]
             lines += [f"- line {o.mutant.line} {o.mutant.operator}: {_code(o.mutant.change)} — "
-                      f"{o.detail}" + (f" ({o.rerun})" if o.rerun else "") for o in mine]
+                      f"{o.detail}" + (f" ({o.rerun})" if o.rerun else "") +
+                      _kinds_of(o, analysis) for o in mine]
             lines += ["", "</details>", ""]
     if analysis.stale_decisions:
         lines += ["## Decisions naming no surviving mutant", ""]
@@ -158,3 +227,8 @@ def terminal(analysis, console):
     for d in analysis.stale_decisions:
         console.print(f"stale decision {d['key']}: {d['change']} (no surviving mutant)",
                       highlight=False, markup=False)
+    messages = msgs.of_analysis(analysis)
+    if messages:
+        c = msgs.counts(messages)
+        console.print(f"messages of the killed mutants ({len(messages)}): " + ", ".join(
+            f"{msgs.LABELS[k]} {c[k]}" for k in msgs.KINDS), highlight=False, markup=False)
