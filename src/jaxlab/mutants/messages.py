@@ -37,8 +37,8 @@ SAMPLE_SEED = 44  # the issue's number: the same sample on every run of the same
 SAMPLE_SIZE = 10
 
 # what a mutant's operator changes, and the words a message uses for it (operators.OPERATORS)
-VALUES = r"wrong values?|differ|shape|\bexpected\b[^.;]*\d|\d[^.;]*;\s*expected|expected None|" \
-         r"instead of|\btoo (?:large|small|many|few)\b"
+VALUES = r"\bwrong\b|differ|shape|\bexpected\b[^.;]*\d|\d[^.;]*;\s*expected|expected None|" \
+         r"instead of|\btoo (?:large|small|many|few)\b|\btimes the\b|away from|\bsays\b"
 TYPES = r"dtype|b?float\d*|\bint\d*\b|precision|\btype\b|tuple|\blist\b|Python (?:int|float)|" \
         r"NumPy|integer"
 LAYOUT = r"PartitionSpec|\bP\(|\bspecs?\b|shard|replicat|split|\bmesh|\baxis|\baxes\b|layout|" \
@@ -59,10 +59,14 @@ FAMILIES = {
                         r"stop_gradient|gradient|block_until_ready|asynchronous|dispatch|ready",
     "argument": r"target|restore|abstract|sharding|process|shard|share|\ball\b|whole",
 }
+# a statement or an argument moved or left out changes whatever it did: any family's word
+FAMILIES["structure"] = "|".join(FAMILIES[f] for f in ("values", "types", "layout",
+                                                         "collectives", "jit", "checkpoint",
+                                                         "scan"))
 OPERATOR_FAMILY = {
     **dict.fromkeys(("arithmetic", "comparison", "constant", "range", "drop-term", "extra-term",
-                     "swap-args", "axis", "reduction", "transpose", "guard", "negate",
-                     "drop-statement", "swap-statements"), "values"),
+                     "axis", "reduction", "transpose", "guard", "negate"), "values"),
+    **dict.fromkeys(("swap-args", "drop-statement", "swap-statements"), "structure"),
     **dict.fromkeys(("dtype", "cast", "conversion", "math-numpy"), "types"),
     **dict.fromkeys(("spec", "mesh", "axis-type", "specs", "wrong-mesh", "mesh-axis",
                      "swap-specs"), "layout"),
@@ -80,15 +84,21 @@ INTERNALS = re.compile(
 TIMEOUT = re.compile(r"did not finish|stopped after|got stuck|timed out|ran past its|"
                      r"killed the kernel", re.I)
 EXCEPTION_NAME = r"[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b"
-STUDENT_EXCEPTION = re.compile(rf"was never set:|\braised {EXCEPTION_NAME}|could not be "
-                               rf"(?:traced|compiled|lowered|run)[^\n]*?: {EXCEPTION_NAME}")
+STUDENT_EXCEPTION = re.compile(
+    rf"was never set:|\braised {EXCEPTION_NAME}|(?:stopped|failed|exited) with `?{EXCEPTION_NAME}|"
+    rf"could not be (?:traced|compiled|lowered|run|restored|loaded)[^\n]*?[:(] ?{EXCEPTION_NAME}")
 NOT_DEFINED = re.compile(r"is not defined yet")
 TYPE_MESSAGE = re.compile(
     r"expected an? (?:Python )?(?:int|integer|float|scalar|number|tuple|list|dict|str|string|"
     r"array|jax\.Array|function)(?=\s*[.;,:(]|\s*$)|should be an? (?:Python \w+|int|float|"
     r"function|jax\.Array|tuple|list|dict)\b")
 FOUND_NONE = re.compile(r"\b(?:returned|returns|is|it is|holds) None\b")
-EXPECTS = re.compile(r"\bexpected\b|\bshould\b|\binstead\b|\bmust\b", re.I)
+# a comparison with what was expected: said outright, or as what is missing or how far off
+EXPECTS = re.compile(
+    r"\bexpected\b|\bshould\b|\binstead\b|\bmust\b|\brather than\b|\bnever\b|\bwithout\b|"
+    r"\b(?:is|are|was|were|does|did|has|have) not\b|\bhas no\b|\btimes (?:the|too)\b|"
+    r"\btoo (?:large|small|many|few)\b|\baway from\b|\bdiffer|\bthe (?:true|right|correct)\b|"
+    r"\bcompared? (?:to|with)\b|\bsays\b.*\bsays\b", re.I)
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 HEAD = re.compile(r"^(\w+(?:\.\w+)*): ", re.S)  # "AssertionError: ..." as otter ends a failure
 
