@@ -624,6 +624,11 @@ def test_a_message_names_the_fault_with_a_word_of_the_mutants_family():
     assert kind("`gather_all(x)` should return every shard; expected all_to_all's output "
                 "instead", "communication", "lax.all_to_all(x, 'd', 0, 0)", "lax.all_gather(x, "
                 "'d')", graded=("gather_all",)) == "fault"
+    # ... but not one the call under test only spells out (Lab 4 q1, psum -> all_gather)
+    assert kind("`normalized_convolution under jax.vmap(normalized_convolution, in_axes=(0, "
+                "None), axis_name='p') on examples of length 7` returned an array of shape (5, "
+                "5, 5); expected (5, 5).", "collective", 'lax.psum(output, axis_name="p")',
+                'lax.all_gather(output, "p")', graded=("normalized_convolution",)) == "generic"
     # no graded variable named, or nothing expected: generic
     assert kind("psum adds up the per-device mean losses. Average them with jax.lax.pmean",
                 "collective", graded=("loss_fn",)) == "generic"

@@ -6,8 +6,8 @@ each, heuristics: a person reads the report's sample):
 
 * **internals**: the student is shown our machinery: a traceback, a path or module of the
   grader (``jaxlab_lab4``, ``site-packages``), a repr of evidence (``{'kind': ...``), "could not
-  be checked", "GRADER ERROR", or an exception other than a check's ``AssertionError`` (it
-  escaped a check: Lab 5 q8's "KeyError: 'output'");
+  be checked", "GRADER ERROR", a grading that failed, or an exception other than a check's
+  ``AssertionError`` (it escaped a check: Lab 5 q8's "KeyError: 'output'");
 * **timeout**: a kill by a limit, or a message that says the run was stopped (did not finish,
   got stuck, timed out);
 * **student's exception**: the message names the exception the student's code raised ("was
@@ -19,8 +19,9 @@ each, heuristics: a person reads the report's sample):
   for a mutant that changes a type (``TYPE_OPERATORS``, ``//`` made ``/``), **generic** when
   what was found is None, and **misleading** otherwise (a value was changed, not its type);
 * **names the fault**: the message names a graded variable in backticks, says what was expected
-  ("expected", "should", "instead") and has a fault word of the mutant's operator family
-  (``FAMILIES``) or names an identifier the mutant changed (``pmean`` for ``psum`` -> ``pmean``);
+  (``EXPECTS``: "expected", "should", "is not", "N times the", ...) and, outside the backticked
+  call it describes, has a fault word of the mutant's operator family (``FAMILIES``) or names an
+  identifier the mutant changed (``pmean`` for ``psum`` -> ``pmean``);
 * **generic**: any other message (correct, but not about what the mutant changed: "has the
   wrong values" for a collective or a spec, a message that names no graded variable).
 """
@@ -200,11 +201,12 @@ def classify(text, *, exception="AssertionError", operator="", before="", after=
     if not EXPECTS.search(text):
         return "generic", "does not say what was expected"
     family = OPERATOR_FAMILY.get(operator, "values")
-    found = re.search(FAMILIES[family], _without_calls(text, graded))
+    said = _without_calls(text, graded)
+    found = re.search(FAMILIES[family], said)
     if found:
         return "fault", f"a {family} word ({found.group(0)!r}) for a mutant by {operator or '?'}"
     names = sorted(n for n in changed_names(before, after) - set(graded)
-                   if re.search(rf"\b{re.escape(n)}\b", text))
+                   if re.search(rf"\b{re.escape(n)}\b", said))
     if names:
         return "fault", f"names what the mutant changed ({names[0]!r})"
     return "generic", f"no {family} word for a mutant by {operator or '?'}"
