@@ -144,3 +144,63 @@ def test_probe_order_puts_marked_questions_first_and_keeps_the_rest_in_order():
     # a checks module from before the mark: its questions have no such attribute
     old = {"q1": SimpleNamespace(), "q2": SimpleNamespace()}
     assert form.probe_order(old) == ["q1", "q2"]
+
+
+def test_otters_test_judges_the_graders_probe_instead_of_probing_again(tmp_path):
+    """In the grading kernel the probe cell runs first; the claim (otter's own test, the same
+    check) then reads that evidence file while the graded names hold the same objects."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    calls, judged = [], []
+
+    def probe(values):
+        calls.append(1)
+        return {"x": form.evidence(values["x"])}
+
+    questions = {"q": form.question("x", lambda ev: judged.append(ev["x"]["value"]), probe)}
+    probe_q, _, check = form.entry_points(questions)
+    shell = InteractiveShell.instance()
+    try:
+        x, other = np.arange(3.0), np.arange(3.0)
+        form.dump_evidence({"evidence": probe_q("q", {"x": x})}, tmp_path / "ev.json")
+        form.remember_probe("q", [x], tmp_path / "ev.json")
+        check("q", x=x)
+        assert len(calls) == 1 and len(judged) == 1  # judged from the file, not probed again
+        check("q", x=other)  # another object: probed afresh
+        assert len(calls) == 2 and len(judged) == 2
+    finally:
+        shell.__dict__.pop("_jaxlab_probed", None)
+        InteractiveShell.clear_instance()
+    check("q", x=x)  # outside a kernel: always probes
+    assert len(calls) == 3
+
+
+def test_public_check_helpers_speak_the_hidden_checks_words(mesh):
+    one = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+    x = jnp.arange(64.0)
+    total = jax.shard_map(lambda b: jax.lax.psum(jnp.sum(b), "i"), mesh=one, in_specs=P("i"),
+                          out_specs=P())
+    gathered = jax.shard_map(lambda b: jnp.sum(jax.lax.all_gather(b, "i")), mesh=one,
+                             in_specs=P("i"), out_specs=P(), check_vma=False)
+    prims, program = form.traced("global_sum", total, x)
+    form.expect_collectives("global_sum", prims, required=("psum",), forbidden=("all_gather",))
+    assert program["shard_maps"][0]["in"][0] == [[64], ["i"]]
+    with pytest.raises(AssertionError, match="`g` uses `all_gather`, which this task rules out"):
+        form.expect_collectives("g", form.traced("g", gathered, x)[0], required=("psum",),
+                                forbidden=("all_gather",))
+    with pytest.raises(AssertionError, match="has no `jax.lax.psum`"):
+        form.expect_collectives("g", form.traced("g", gathered, x)[0], required=("psum",))
+    with pytest.raises(AssertionError, match="does not go through jax.shard_map"):
+        form.expect_collectives("s", form.traced("s", jnp.sum, x)[0])
+    out = form.call("global_sum(x)", total, x)
+    form.expect_shape("global_sum(x)", out, ())
+    form.expect_laid_out("global_sum(x)", out, P(), "replicated", 8)
+    with pytest.raises(AssertionError, match=r"returned an array of shape \(\); expected \(8,\)"):
+        form.expect_shape("global_sum(x)", out, (8,))
+    split = jax.device_put(x, NamedSharding(one, P("i")))
+    with pytest.raises(AssertionError, match="expected replicated"):
+        form.expect_laid_out("f(x)", split, P(), "replicated", 8)
+    with pytest.raises(AssertionError, match=r"`bad\(x\)` raised TypeError: .*line \d+ of your"):
+        form.call("bad(x)", lambda a: a @ jnp.ones(3), x)
+    with pytest.raises(AssertionError, match="could not be traced"):
+        form.traced("bad", lambda a: a @ jnp.ones(3), x)

@@ -174,9 +174,35 @@ def entry_points(questions):
         questions[question].verdict(ev)
 
     def check(question, **values):
-        verdict(question, transported(probe(question, values)))
+        names = questions[question].names
+        ev = probed(question, [values.get(n) for n in names])
+        verdict(question, transported(probe(question, values)) if ev is None else ev)
 
     return probe, verdict, check
+
+
+def remember_probe(question, values, path):
+    """The grader's probe cell, in the student's kernel: ``question`` was probed from these very
+    ``values`` into the evidence file ``path``. otter's own test of the question (the grader's
+    claim, run next in the same kernel) then judges that file instead of probing again: Lab 7's
+    probes took ~54 CPU-s, twice over on Gradescope. The trusted verdict judges the same file, so
+    an honest kernel claims what the grader decides and a patched one is still caught."""
+    shell = _shell()
+    if shell is not None:
+        shell.__dict__.setdefault("_jaxlab_probed", {})[question] = \
+            ([id(v) for v in values], str(path))
+
+
+def probed(question, values):
+    """The evidence ``remember_probe`` kept for ``question`` when ``values`` are the objects it
+    was probed from (as the grader received it), else None."""
+    ids, path = getattr(_shell(), "_jaxlab_probed", {}).get(question, (None, None))
+    if ids != [id(v) for v in values]:
+        return None
+    try:
+        return load_evidence(path)["evidence"]
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 # --------------------------------------------------------------------------- transport
@@ -655,6 +681,90 @@ def expect_operands_split(name, program, shape, what, dim, wanted):
         raise AssertionError(
             f"`{name}` hands {what} (shape {tuple(shape)}) to jax.shard_map {found} (in_specs "
             f"{spec_repr(spec) if spec else 'P()'}); expected what the task says: {wanted}.")
+
+
+# --------------------------------------------------------------------------- for public checks
+# The public checks (grader.check in the student's notebook) try the student's answer on the
+# notebook's own inputs and read its method the way the hidden checks do; these helpers give
+# them the hidden checks' words. Each raises AssertionError with a message for the student.
+COLLECTIVES = {  # what the text calls a collective -> the primitives it traces to
+    "psum": ("psum", "psum_invariant", "psum2"),
+    "pmean": ("psum", "psum_invariant", "psum2"),  # pmean traces to psum and a division
+    "all_gather": ("all_gather", "all_gather_invariant"),
+    "psum_scatter": ("reduce_scatter",),
+    "ppermute": ("ppermute",),
+    "all_to_all": ("all_to_all",),
+    "pmax": ("pmax",),
+    "jax.pmap": ("xla_pmap",),
+    "jax.shard_map": ("shard_map",),
+}
+
+
+def call(what, fn, *args):
+    """``fn(*args)``, waited for; an exception of the student's code becomes a message naming
+    ``what`` (the call as the student wrote it), the exception and its line."""
+    import jax
+
+    try:
+        return jax.block_until_ready(fn(*args))
+    except Exception as exc:
+        fail(f"`{what}` raised {student_error(exc)}; it should work on the notebook's own "
+             "inputs, laid out as the task describes.")
+
+
+def traced(name, fn, *args):
+    """(primitive names, ``program_evidence``) of ``jax.make_jaxpr(fn)(*args)``, nested
+    programs included; a function that cannot be traced gets a message naming ``name``."""
+    import jax
+
+    try:
+        closed = jax.make_jaxpr(fn)(*args)
+    except Exception as exc:
+        fail(f"`{name}` could not be traced with jax.make_jaxpr: {student_error(exc)}")
+    return set(re.findall(r"\b([a-z_][a-z0-9_]*)\[", str(closed))), program_evidence(closed)
+
+
+def expect_collectives(name, primitives, required=(), forbidden=(), why="", shard_map=True):
+    """The traced ``primitives`` of ``name`` go through ``jax.shard_map`` (unless not asked),
+    use every collective of ``required`` and none of ``forbidden`` (names as in COLLECTIVES)."""
+    if shard_map and "shard_map" not in primitives:
+        fail(f"`{name}` does not go through jax.shard_map; this task asks you to write the "
+             "per-device program with jax.shard_map.")
+    for collective in forbidden:
+        if primitives & set(COLLECTIVES[collective]):
+            fail(f"`{name}` uses `{collective}`, which this task rules out{why}.")
+    for collective in required:
+        if not primitives & set(COLLECTIVES[collective]):
+            fail(f"`{name}`'s traced program has no `jax.lax.{collective}`; this task asks you "
+                 f"to use it{why}.")
+
+
+def expect_shape(what, value, shape):
+    """``value`` (the result of the call ``what``) is a jax.Array of ``shape``."""
+    ev = evidence(value)
+    if ev["kind"] != "array":
+        fail(f"`{what}` returned {describe(ev)}; expected a jax.Array of shape {tuple(shape)}.")
+    if tuple(ev["shape"]) != tuple(shape):
+        fail(f"`{what}` returned an array of shape {tuple(ev['shape'])}; expected "
+             f"{tuple(shape)}.")
+    return ev
+
+
+def expect_laid_out(what, value, spec, words, devices):
+    """``value`` (the result of ``what``) is spread over ``devices`` devices of a mesh and laid
+    out as ``spec`` (a PartitionSpec; ``is_equivalent_to``), ``words`` saying so in the task's
+    terms."""
+    ev = evidence(value)
+    if ev["kind"] != "array":
+        fail(f"`{what}` returned {describe(ev)}; expected a jax.Array {words}.")
+    sev = ev["sharding"]
+    if sev["kind"] != "NamedSharding" or len(sev["devices"]) != devices:
+        fail(f"`{what}` returned an array {describe_sharding(sev)}; expected it spread over the "
+             f"{devices} devices of the mesh, {words}.")
+    if not is_laid_out_as(sev, len(ev["shape"]), spec):
+        fail(f"`{what}` returned an array {describe_sharding(sev)}; expected {words} (check "
+             "`out_specs`).")
+    return ev
 
 
 # --------------------------------------------------------------------------- for hidden checks

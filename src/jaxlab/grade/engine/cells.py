@@ -105,6 +105,8 @@ def _jaxlab_probe():
         except BaseException:
             pass
     form.dump_evidence(out, {path!r})
+    if "evidence" in out and hasattr(form, "remember_probe"):  # otter's test reuses it
+        form.remember_probe({question!r}, [ns.get(n) for n in names], {path!r})
 _jaxlab_probe()
 del _jaxlab_probe
 '''
