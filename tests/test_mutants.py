@@ -620,6 +620,11 @@ def test_a_message_names_the_fault_with_a_word_of_the_mutants_family():
     assert kind("`train_step` is not wrapped in jax.jit; expected one compiled program per "
                 "step", "jit", "@jax.jit", "(decorator removed)",
                 graded=("train_step",)) == "fault"
+    # Lab 3 q1 (graded end to end): the sharding left out of device_put
+    assert kind("`A_sharded` is not placed on a mesh: it lives on a single device (device 0); "
+                "expected it on the devices of a mesh. Place it with jax.device_put(..., "
+                "NamedSharding(mesh, P(...))).", "drop-arg", "jax.device_put(A, sharding)",
+                "jax.device_put(A)", graded=("A_sharded",)) == "fault"
     # an identifier the mutant changed, named in the message
     assert kind("`gather_all(x)` should return every shard; expected all_to_all's output "
                 "instead", "communication", "lax.all_to_all(x, 'd', 0, 0)", "lax.all_gather(x, "
@@ -639,6 +644,29 @@ def _killed(question="q1", status="killed", messages=(), detail="d", raised=()):
     mutant = ops.mutants("y = x + 1\n", ["arithmetic"])[0]
     return analysis.Outcome(question, mutant, status, 1.0, detail, messages=messages,
                             raised=raised)
+
+
+def test_the_analysis_kernel_names_a_raising_cell_as_the_students_setup_cell_does(monkeypatch):
+    """The harness skips the setup cell (it starts otter), which calls watch_cells() in the
+    student's kernel; the analysis's own kernel calls it, so that a mutant whose cell raised
+    reads "was never set: ... raised TypeError", not "not defined yet" (Lab 3 q1, swap-args)."""
+    import types
+
+    from jaxlab import corpus
+
+    release = corpus.Release("lab3-parallelism", ROOT)
+    assert any(analysis.WATCH in c.source for c in release.student_nb.cells)
+    assert not any(analysis.WATCH in c.source for c in release.cells)
+    ran = []
+
+    def harness(lab, workdir, cache, root):  # a stand-in: no kernel
+        kernel = types.SimpleNamespace(run=lambda code, timeout=300: ran.append(code))
+        return types.SimpleNamespace(release=release, kernel=kernel)
+
+    monkeypatch.setattr(corpus, "LabHarness", harness)
+    runner = analysis._Runner("lab3-parallelism", ROOT)
+    runner.folder.cleanup()
+    assert ran == ["import jaxlab_form; jaxlab_form.watch_cells()"]
 
 
 def test_a_killed_mutant_keeps_every_failing_case_and_the_cells_that_raised():
@@ -722,6 +750,7 @@ def test_one_question_analysed_with_the_shipped_checks_kills_or_decides_every_mu
     the shipped checks, and the issue's known kinds are killed (a comparison made strict, a
     guard removed, a plain Python number turned into a NumPy one)."""
     from jaxlab import corpus
+    from jaxlab.mutants import report
 
     lab, question = "lab6-memory", "q9_roofline"
     graded(corpus.load_answers(lab)[0])  # starts the lab's kernel (the corpus shares it)
@@ -730,6 +759,9 @@ def test_one_question_analysed_with_the_shipped_checks_kills_or_decides_every_mu
     assert len(result.outcomes) >= 30 and {o.question for o in result.outcomes} == {question}
     assert result.of("gap") == [] and result.of("undecided") == [], [
         (o.mutant.change, o.detail) for o in result.of("gap") + result.of("undecided")]
+    # every kill keeps what the student reads, and the report sorts it by kind
+    assert all(o.messages for o in result.of("killed"))
+    assert "## Messages of the killed mutants" in report.markdown(result, "jaxlab mutants")
     killed = {o.mutant.change: o.detail for o in result.of("killed")}
     assert "raised ZeroDivisionError" in killed["slope <= 0  ->  slope < 0"]
     assert "expected None" in killed["if slope <= 0: return None  ->  (removed)"]

@@ -58,7 +58,8 @@ FAMILIES = {
     "keyword": r"shape|" + LAYOUT + "|" + TYPES,
     "wrapper": LAYOUT + r"|device_put|pcast|varying|checkpoint_name|residual|saved|"
                         r"stop_gradient|gradient|block_until_ready|asynchronous|dispatch|ready",
-    "argument": r"target|restore|abstract|sharding|process|shard|share|\ball\b|whole",
+    # Orbax's restore without its target, the whole data for a process's share: placement
+    "argument": r"target|restore|abstract|process|share|\ball\b|whole|" + LAYOUT,
 }
 # a statement or an argument moved or left out changes whatever it did: any family's word
 FAMILIES["structure"] = "|".join(FAMILIES[f] for f in ("values", "types", "layout",
