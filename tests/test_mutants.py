@@ -640,6 +640,13 @@ def test_a_message_names_the_fault_with_a_word_of_the_mutants_family():
     assert kind("`tp_forward` is slow", "constant", graded=graded) == "generic"
 
 
+def test_every_operator_has_a_family_of_fault_words():
+    from jaxlab.mutants import messages
+
+    assert set(messages.OPERATOR_FAMILY) == set(ops.OPERATORS)
+    assert set(messages.OPERATOR_FAMILY.values()) <= set(messages.FAMILIES)
+
+
 def _killed(question="q1", status="killed", messages=(), detail="d", raised=()):
     mutant = ops.mutants("y = x + 1\n", ["arithmetic"])[0]
     return analysis.Outcome(question, mutant, status, 1.0, detail, messages=messages,
