@@ -653,29 +653,6 @@ def _killed(question="q1", status="killed", messages=(), detail="d", raised=()):
                             raised=raised)
 
 
-def test_the_analysis_kernel_names_a_raising_cell_as_the_students_setup_cell_does(monkeypatch):
-    """The harness skips the setup cell (it starts otter), which calls watch_cells() in the
-    student's kernel; the analysis's own kernel calls it, so that a mutant whose cell raised
-    reads "was never set: ... raised TypeError", not "not defined yet" (Lab 3 q1, swap-args)."""
-    import types
-
-    from jaxlab import corpus
-
-    release = corpus.Release("lab3-parallelism", ROOT)
-    assert any(analysis.WATCH in c.source for c in release.student_nb.cells)
-    assert not any(analysis.WATCH in c.source for c in release.cells)
-    ran = []
-
-    def harness(lab, workdir, cache, root):  # a stand-in: no kernel
-        kernel = types.SimpleNamespace(run=lambda code, timeout=300: ran.append(code))
-        return types.SimpleNamespace(release=release, kernel=kernel)
-
-    monkeypatch.setattr(corpus, "LabHarness", harness)
-    runner = analysis._Runner("lab3-parallelism", ROOT)
-    runner.folder.cleanup()
-    assert ran == ["import jaxlab_form; jaxlab_form.watch_cells()"]
-
-
 def test_a_killed_mutant_keeps_every_failing_case_and_the_cells_that_raised():
     class Verdict:
         full_marks, evidence = False, None

@@ -352,6 +352,10 @@ class LabHarness:
         self.kernel = Kernel(self.workdir, cache_dir)
         self.kernel.run(KERNEL_HELPERS)
         self.kernel.run(f"import sys; sys.path.append({str(self.workdir)!r})")
+        # what the student's setup cell does beside starting otter (the harness skips that cell):
+        # the checks then name the exception of a cell that raised, as the student reads it
+        if any("watch_cells()" in c.source for c in self.release.student_nb.cells):
+            self.kernel.run("import jaxlab_form; jaxlab_form.watch_cells()")
         self.solution_errors = []
         self.solution_outputs = {}  # cell index -> what it printed (docs/claims.md reads them)
         for cell in self.release.cells:

@@ -301,9 +301,6 @@ def question_seed(lab, question):
     return int.from_bytes(hashlib.sha1(f"{lab}/{question}".encode()).digest()[:4], "little")
 
 
-WATCH = "watch_cells()"
-
-
 class _Runner:
     """A corpus harness that starts again when a mutant leaves its kernel dead or stuck."""
 
@@ -316,12 +313,7 @@ class _Runner:
     def _start(self):
         n = self.restarts
         base = pathlib.Path(self.folder.name)
-        harness = corpus.LabHarness(self.lab, base / f"work{n}", base / "jax-cache", self.root)
-        # the student's setup cell (which the harness skips: it starts otter) has the checks
-        # name the exception of a cell that raised: a mutant's messages are the student's
-        if any(WATCH in c.source for c in harness.release.student_nb.cells):
-            harness.kernel.run(f"import jaxlab_form; jaxlab_form.{WATCH}")
-        return harness
+        return corpus.LabHarness(self.lab, base / f"work{n}", base / "jax-cache", self.root)
 
     def alive(self):
         try:
