@@ -122,13 +122,30 @@ def test_q7_accepts_shard_map_on_an_explicit_mesh():
     assert verdict_message("q7_dp_manual", layer_manual=manual, out_man=manual(x, W, b)) is None
 
 
-def test_q3_accepts_equivalent_spec_keys_and_rejects_wrong_counts():
-    shapes = {P("x"): (2, 16), P(None, "y"): (4, 4), P(): (4, 16), P(None, "x"): (4, 8)}
-    counts = {P("x"): 4, P(None, "y"): 2, P(): 8, P(None, "x"): 4}
+def test_q3_wants_the_four_specs_as_keys_and_rejects_wrong_counts():
+    shapes = {P("x", None): (2, 16), P(None, "y"): (4, 4), P(None, None): (4, 16),
+              P(None, "x"): (4, 8)}
+    counts = {P("x", None): 4, P(None, "y"): 2, P(None, None): 8, P(None, "x"): 4}
     assert verdict_message("q3_partition_specs", shard_shapes=shapes, replicas=counts) is None
     msg = verdict_message("q3_partition_specs", shard_shapes=shapes,
                           replicas={**counts, P(None, "y"): 4})
     assert msg.startswith("`replicas[P(None, 'y')]` is the number 4")
+    short = {P("x") if k == P("x", None) else k: v for k, v in shapes.items()}
+    msg = verdict_message("q3_partition_specs", shard_shapes=short, replicas=counts)
+    assert msg.startswith("`shard_shapes` has no entry for P('x', None)")
+    assert "raises KeyError" in msg
+
+
+def test_q1_wants_A_itself_on_the_labs_auto_mesh():
+    A = jnp.arange(64.0).reshape(4, 16)
+    auto = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:8])
+    assert verdict_message("q1_device_put", A_sharded=put(A, auto, "x", "y")) is None
+    msg = verdict_message("q1_device_put", A_sharded=put(A.astype(jnp.int32), auto, "x", "y"))
+    assert msg.startswith("`A_sharded` holds int32 values")
+    explicit = jax.make_mesh((2, 4), ("x", "y"), devices=jax.devices()[:8])
+    msg = verdict_message("q1_device_put", A_sharded=put(A, explicit, "x", "y"))
+    assert "whose axes are both Auto" in msg
 
 
 def good_timer(fn, *args, repeats=10):
@@ -163,10 +180,55 @@ def timer_blocking_last_result_only(fn, *args, repeats=10):
     return (time.perf_counter() - start) / repeats
 
 
+def timer_one_call_too_many(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats + 1):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeats
+
+
+def timer_twice_the_calls(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(2 * repeats):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeats
+
+
+def timer_fastest(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        runs.append(time.perf_counter() - start)
+    return min(runs)
+
+
+def _timed(fn, args, repeats):
+    start = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeats
+
+
+def timer_two_warmups(fn, *args, repeats=10):
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    return _timed(fn, args, repeats)
+
+
+def timer_warmup_not_waited(fn, *args, repeats=10):
+    fn(*args)
+    return _timed(fn, args, repeats)
+
+
 @pytest.mark.parametrize("timer", [good_timer, timer_blocking_last_result_only,
-                                   functools.partial(good_timer, repeats=60)])
-def test_q9_timing_method_accepts_warm_blocked_averages(timer):
-    assert lab3._timing_method(lab3._timing_runs(timer)[-1]) is None
+                                   timer_two_warmups, functools.partial(good_timer, repeats=2),
+                                   functools.partial(good_timer, repeats=100)])
+def test_q9_timing_method_accepts_the_mean_of_warm_waited_calls(timer):
+    assert lab3._timing_method(lab3._timing_run(timer)) is None
 
 
 @pytest.mark.parametrize("timer, words", [
@@ -174,10 +236,17 @@ def test_q9_timing_method_accepts_warm_blocked_averages(timer):
     (functools.partial(timer_without_warmup, repeats=60), "counts the first (compiling) call"),
     (timer_without_block, "jax.block_until_ready inside the timed region"),
     (functools.partial(good_timer, repeats=1), "then time at least 2 calls"),
+    (timer_one_call_too_many, "divided by one call fewer than were timed"),
+    (functools.partial(timer_one_call_too_many, repeats=60),
+     "divided by one call fewer than were timed"),
+    (timer_twice_the_calls, "divided by half the number of calls that were timed"),
+    (timer_fastest, "not the mean of the timed calls"),
+    (timer_warmup_not_waited, "the work of the first call, whose result was not waited for"),
+    (functools.partial(good_timer, repeats=101), "more than 101 times"),
 ])
 def test_q9_timing_method_recognises_each_slip(timer, words):
     with pytest.raises(AssertionError, match=re.escape(words)):
-        lab3._timing_method(lab3._timing_runs(timer)[-1])
+        lab3._timing_method(lab3._timing_run(timer))
 
 
 def test_q9_rejects_timings_without_block_until_ready():

@@ -39,8 +39,14 @@ pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make tes
 # An answer that passes its public check and fails its hidden one (from the answer corpus), the
 # questions it costs, and its code.
 WELL_FORMED_WRONG = {
-    "lab3-parallelism": ("q1_device_put", {"q1_device_put", "q2_inspect"},
-                         'A_sharded = jax.device_put(A, NamedSharding(mesh, P("x")))\n'),
+    # the block function reads the notebook's own W and b, not its arguments: right on the
+    # notebook's inputs (the public check), wrong on the hidden check's new W and b
+    "lab3-parallelism": ("q7_dp_manual", {"q7_dp_manual"},
+                         'line = jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Auto,), '
+                         'devices=devices)\n'
+                         'layer_manual = jax.shard_map(lambda xb, Wb, bb: layer(xb, W, b), '
+                         'mesh=line, in_specs=(P("batch"), P(), P()), out_specs=P("batch"))\n'
+                         'out_man = layer_manual(x, W, b)\n'),
     "lab4-shard-map": ("q2_global_sum", {"q2_global_sum"},
                        'global_sum = jax.shard_map(lambda b: lax.pmean(jnp.sum(b), "i"), '
                        'mesh=mesh, in_specs=P("i"), out_specs=P())\n'),

@@ -32,18 +32,27 @@ TRAIN_ATOL = 1e-5
 # A correct timing lies within this factor of the probe's own measurement on the same machine;
 # forgetting block_until_ready is ~1000x off, timing the compile ~10-50x.
 TIMING_FACTOR = 10
-# `seconds_per_call` is judged on a stand-in for a jitted function: its first call takes
-# TIMING_FIRST_CALL s (as compiling does) and every call's result is ready TIMING_STEP s after
-# the previous one's (one device working in order, as JAX's asynchronous dispatch). A correct
-# timing reads TIMING_STEP plus a little overhead; not waiting reads ~0; counting the first
-# call adds TIMING_FIRST_CALL / calls, which the probe keeps >= TIMING_MARGIN * TIMING_STEP by
-# re-running with a slower first call when the student's function calls many times.
-# 0.25 s: one run for up to 12 calls (the solution makes 11); every run sleeps this long.
-# 5 ms is still ~100x a Python loop's own time per call, and far above sleep's precision.
+# `seconds_per_call` is judged on a stand-in for a jitted function whose every duration is known.
+# Its first call blocks for TIMING_FIRST_CALL s (as compiling does); the work of call k then takes
+# TIMING_WORK[k] steps of TIMING_STEP s, starts when the previous call's work ends (one device
+# working in order) and its result is ready only then (asynchronous dispatch). The stand-in
+# records when each call was made and when each wait for a result returned, so the average the
+# task asks for (the time of the calls after the first, divided by their number) is known on this
+# machine to within a fraction of a millisecond. Over 2..100 timed calls, the pattern keeps every
+# usual slip (one call too many or too few in the count, the first call's work left running into
+# the timed region, the fastest or the median call) at least one step away on the total, and the
+# answer is accepted within TIMING_TOLERANCE steps of it (searched by brute force, 2026-11-27).
+# Not waiting reads ~0; counting the first call adds TIMING_FIRST_CALL.
 TIMING_FIRST_CALL = 0.25
-TIMING_STEP = 0.005
-TIMING_MARGIN = 4
-TIMING_MAX_CALLS = 100
+TIMING_STEP = 0.03  # 15 ms of slack on the total: far above a wait's overshoot under load
+TIMING_FIRST_WORK = 3  # steps: what a warm-up that is not waited for leaks into the timing
+TIMING_PATTERN = (1, 2, 1)  # steps of the later calls' work, repeated
+TIMING_TOLERANCE = 0.5  # steps, on the total time of the timed calls
+TIMING_MAX_TIMED = 100  # the task's "at most 100"
+# calls before the clock starts that are accepted ("once"; twice is harmless); the stand-in takes
+# at most one warm-up and TIMING_MAX_TIMED timed calls, so more timed calls cannot pass as two
+# warm-ups
+TIMING_WARMUPS = (1, 2)
 TIMING_MIN_TIMED = 2  # calls after the first: one timed call is not an average
 MESH_SIZES = (4, 8)
 # the notebook's training problem on a CPU: (n, layer_sizes); q9's probe times grad_loss on it
@@ -127,16 +136,17 @@ def _seconds_per_call(fn, *args, repeats=3):  # the median of 3 is well inside T
 
 
 class _AsyncResult:
-    """A result that is ready at ``ready_at`` (perf_counter seconds), like a jax.Array that
-    JAX returned before its computation finished."""
+    """A result that is ready at ``ready_at`` (perf_counter seconds), like a jax.Array that JAX
+    returned before its computation finished; a wait for it is recorded by its workload."""
 
-    def __init__(self, ready_at):
-        self._ready_at = ready_at
+    def __init__(self, workload, index, ready_at):
+        self._workload, self._index, self._ready_at = workload, index, ready_at
 
     def block_until_ready(self):
         delay = self._ready_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
+        self._workload.waits.append([self._index, time.perf_counter()])
         return self
 
     def __array__(self, dtype=None, copy=None):
@@ -148,35 +158,43 @@ class _TooManyCalls(RuntimeError):
     pass
 
 
-class _Workload:
-    """A stand-in for a jitted function (see TIMING_FIRST_CALL)."""
+def _work_steps(index):
+    """Steps of work of call ``index`` (0 for the first call)."""
+    return TIMING_FIRST_WORK if index == 0 else TIMING_PATTERN[(index - 1) % len(TIMING_PATTERN)]
 
-    def __init__(self, first_call, step=TIMING_STEP):
-        self.first_call, self.step, self.calls, self._busy_until = first_call, step, 0, 0.0
+
+class _Workload:
+    """The stand-in for a jitted function (see TIMING_FIRST_CALL)."""
+
+    def __init__(self):
+        self.entered, self.ready, self.waits, self._busy_until = [], [], [], 0.0
 
     def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls > TIMING_MAX_CALLS:
+        index = len(self.entered)
+        if index >= 1 + TIMING_MAX_TIMED:
             raise _TooManyCalls(f"seconds_per_call called the function more than "
-                                f"{TIMING_MAX_CALLS} times")
-        if self.calls == 1:
-            time.sleep(self.first_call)  # compiling blocks the caller
-        self._busy_until = max(self._busy_until, time.perf_counter()) + self.step
-        return _AsyncResult(self._busy_until)
+                                f"{1 + TIMING_MAX_TIMED} times")
+        self.entered.append(time.perf_counter())
+        if index == 0:
+            time.sleep(TIMING_FIRST_CALL)  # compiling blocks the caller
+        start = max(self._busy_until, time.perf_counter())
+        self._busy_until = start + _work_steps(index) * TIMING_STEP
+        self.ready.append(self._busy_until)
+        return _AsyncResult(self, index, self._busy_until)
 
 
-def _timing_runs(fn):
-    """Call the student's ``seconds_per_call`` on the stand-in workload; a second run with a
-    slower first call when many calls would hide it (see TIMING_MARGIN)."""
-    first, runs = TIMING_FIRST_CALL, []
-    for _ in range(2):
-        workload = _Workload(first)
-        runs.append({"first_call": first, "step": TIMING_STEP,
-                     **_call(fn, workload, np.float32(1.0)), "calls": workload.calls})
-        if "error" in runs[-1] or first >= TIMING_MARGIN * workload.calls * TIMING_STEP:
-            break
-        first = TIMING_MARGIN * workload.calls * TIMING_STEP
-    return runs
+def _timing_run(fn):
+    """Call the student's ``seconds_per_call`` on the stand-in; what it returned and what the
+    stand-in recorded (times relative to the first call)."""
+    workload = _Workload()
+    run = {"first_call": TIMING_FIRST_CALL, "step": TIMING_STEP,
+           **_call(fn, workload, np.float32(1.0))}
+    t0 = workload.entered[0] if workload.entered else 0.0
+    run.update(calls=len(workload.entered),
+               entered=[t - t0 for t in workload.entered],
+               ready=[t - t0 for t in workload.ready],
+               waits=[[i, t - t0] for i, t in workload.waits])
+    return run
 
 
 def _probe_timing(values):
@@ -187,7 +205,7 @@ def _probe_timing(values):
 
     ev = form.evidence_of(values)
     if callable(values.get("seconds_per_call")):
-        ev["timing_runs"] = _timing_runs(values["seconds_per_call"])
+        ev["timing_runs"] = [_timing_run(values["seconds_per_call"])]
     devices = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
     x, y, params = _training_setup(*CPU_TRAINING)
     mesh = jax.make_mesh((len(devices[:8]),), ("batch",), axis_types=(AxisType.Auto,),
@@ -402,14 +420,39 @@ def _int_tuple(ev):
 
 
 # --------------------------------------------------------------------------- verdicts
+def _lab_mesh(name, sev):
+    """The array lives on the lab's `mesh`: 2 × 4, axes 'x' and 'y', both Auto."""
+    if sorted(zip(sev["axis_names"], sev["mesh_shape"])) != [("x", 2), ("y", 4)]:
+        _fail(f"`{name}` lives on {_mesh_words(sev)}; expected the lab's `mesh` "
+              "(2 × 4, axes 'x' and 'y').")
+    if any(t != "Auto" for t in sev["axis_types"]):
+        types = ", ".join(f"'{a}': {t}" for a, t in zip(sev["axis_names"], sev["axis_types"]))
+        _fail(f"`{name}` lives on a 2 × 4 mesh whose axes are {{{types}}}; expected the lab's "
+              "`mesh`, whose axes are both Auto (a mesh made by jax.make_mesh without "
+              "axis_types has Explicit axes since JAX 0.9): use `mesh` itself.")
+
+
+NONE_FROM_DRAWING = ("`A_sharded` holds None; expected A placed with `sharding`. "
+                     "jax.debug.visualize_array_sharding draws an array and returns None: "
+                     "store what jax.device_put returns, then draw that.")
+
+
 def _q1(ev):
     a = ev["A_sharded"]
+    if a["kind"] == "none":  # a cell that raised before setting it is named by the grader
+        exc = AssertionError(NONE_FROM_DRAWING)
+        exc.undefined = "A_sharded"
+        raise exc
     form.expect_on_mesh("A_sharded", a, shape=(4, 16))
     _close("A_sharded", a, np.arange(64.0).reshape(4, 16), "the values of A")
+    if a["dtype"] != "float32":
+        _fail(f"`A_sharded` holds {a['dtype']} values; expected the float32 array A itself "
+              "placed on the devices (place A, not a new array).")
     sev = a["sharding"]
     if sev["axis_names"] != ["x", "y"] or sev["mesh_shape"] != [2, 4]:
         _fail(f"`A_sharded` lives on {_mesh_words(sev)}; expected the lab's `mesh` "
               "(2 × 4, axes 'x' and 'y').")
+    _lab_mesh("A_sharded", sev)
     _laid_out("A_sharded", a, ("x", "y"),
               "rows split over 'x' and columns over 'y', as `sharding` = "
               "NamedSharding(mesh, P('x', 'y')) says")
@@ -440,14 +483,13 @@ SPECS = (("x", None), (None, "y"), (None, None), (None, "x"))
 
 
 def _spec_key(entries):
-    entries = [tuple(e) if isinstance(e, list) else e for e in entries]
-    while entries and entries[-1] is None:
-        entries.pop()
-    return tuple(entries)
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
 
 
 def _by_spec(name, ev):
-    """The dict's values keyed by normalised spec (P('x') and P('x', None) are one key)."""
+    """The dict's values by key. A dict keyed by P('x') cannot be read with the task's
+    P('x', None) (the two specs lay A out alike but are not equal as keys), so keys must be
+    the four specs as the task writes them."""
     if not ev["items"]:
         _fail(f"`{name}` is empty; fill it with one entry for each of the four specs.")
     table = {}
@@ -457,10 +499,19 @@ def _by_spec(name, ev):
                   f"one key is {form.describe(key)}.")
         table[_spec_key(key["entries"])] = value
     wanted = {_spec_key(list(s)): s for s in SPECS}
+    def trimmed(key):
+        return key[:max([i + 1 for i, e in enumerate(key) if e is not None], default=0)]
+
     for key, spec in wanted.items():
         if key not in table:
             found = ", ".join(form.spec_repr(list(k)) for k in table) or "none"
-            _fail(f"`{name}` has no entry for {form.spec_repr(list(spec))}; its keys are: {found}.")
+            alike = [k for k in table if trimmed(k) == trimmed(key)]
+            hint = (f" {form.spec_repr(list(alike[0]))} lays A out as "
+                    f"{form.spec_repr(list(spec))} does, but it is another key: "
+                    f"`{name}[{form.spec_repr(list(spec))}]` raises KeyError. Key the dict by "
+                    "the four specs as the task writes them." if alike else "")
+            _fail(f"`{name}` has no entry for {form.spec_repr(list(spec))}; its keys are: "
+                  f"{found}.{hint}")
     extra = [k for k in table if k not in wanted]
     if extra:
         _fail(f"`{name}` should hold the four specs of the task only; it also has "
@@ -498,10 +549,7 @@ def _q4(ev):
 
     for name in ("B", "C"):
         form.expect_on_mesh(name, ev[name], shape=(4, 8))
-        sev = ev[name]["sharding"]
-        if sorted(zip(sev["axis_names"], sev["mesh_shape"])) != [("x", 2), ("y", 4)]:
-            _fail(f"`{name}` lives on {_mesh_words(sev)}; expected the lab's `mesh` "
-                  "(2 × 4, axes 'x' and 'y').")
+        _lab_mesh(name, ev[name]["sharding"])
     # the task names the mesh axis, not the dimension: either dimension may be the split one
     for name, axis, other in (("B", "x", "y"), ("C", "y", "x")):
         _laid_out_any(name, ev[name], ((axis, None), (None, axis)),
@@ -668,20 +716,77 @@ def _q8(ev):
                       "and the result stays replicated on their mesh")
 
 
+def _timed_totals(run):
+    """[(calls before the clock, timed calls, their total time)] for each accepted number of
+    calls before the clock (TIMING_WARMUPS): from the moment the last of those calls was done
+    (its work finished, and waited for if it was before the next call) to the end of the last
+    wait for a result."""
+    entered, ready, waits, n = run["entered"], run["ready"], run["waits"], run["calls"]
+    end = max((t for _, t in waits), default=None)
+    totals = []
+    for warm in TIMING_WARMUPS:
+        if end is None or n - warm < 1:
+            continue
+        start = ready[warm - 1]
+        waited = [t for i, t in waits if i == warm - 1 and t <= entered[warm]]
+        totals.append((warm, n - warm, end - min(waited, default=start)))
+    return totals
+
+
+def _timing_slip(run, t):
+    """The usual slip nearest to what ``seconds_per_call`` returned (one call before the
+    clock), or None when none comes within 15%."""
+    n, step, entered = run["calls"], run["step"], run["entered"]
+    _, m, total = _timed_totals(run)[0]
+    end = max(w for _, w in run["waits"])
+    # each timed call as a student's clock around it reads it (overheads included), where its
+    # result was waited for before the next call; else its work alone
+    waited = {}
+    for i, w in run["waits"]:
+        waited.setdefault(i, w)
+    work = sorted(waited[i] - entered[i]
+                  if i in waited and (i + 1 == n or waited[i] <= entered[i + 1])
+                  else _work_steps(i) * step for i in range(1, n))
+    whole = end - entered[0]
+    slips = {"counts the first (compiling) call": [whole / m, whole / n],
+             "includes the work of the first call, whose result was not waited for before "
+             "the clock started": [(end - entered[1]) / m],
+             "is divided by one call more than were timed": [total / (m + 1)],
+             "is divided by one call fewer than were timed": [total / (m - 1)] if m > 1 else [],
+             "is divided by half the number of calls that were timed": [2 * total / m],
+             "is not divided by the number of calls": [total],
+             "is in milliseconds rather than seconds": [1000 * total / m],
+             "counts the first call and is not divided by the number of calls": [whole]}
+    fastest, median = work[0], (work[(m - 1) // 2] + work[m // 2]) / 2
+    if fastest == median:
+        slips["is that of the fastest (and the median) call, not the mean of the timed calls"] = [
+            fastest]
+    else:
+        slips["is that of the fastest call, not the mean of the timed calls"] = [fastest]
+        slips["is that of the median call, not the mean of the timed calls"] = [median]
+    distance = {slip: min(abs(math.log(t / v)) for v in values)
+                for slip, values in slips.items() if values}
+    slip = min(distance, key=distance.get)
+    return slip if distance[slip] < math.log(1.15) else None
+
+
 def _timing_method(run):
     """Verdict on one run of ``seconds_per_call`` on the stand-in workload."""
     call = "seconds_per_call(f, x)"
     step, first, n = run["step"], run["first_call"], run["calls"]
     test = (f"`{call}` was tried on a function f whose first call takes {first:.2g} s (as "
-            f"compiling does) and whose every later call returns at once with a result that is "
-            f"ready {step * 1e3:.0f} ms later (as JAX's asynchronous dispatch does)")
+            "compiling does) and whose every call returns at once with a result that is ready "
+            f"only when its work is done, {step * 1e3:.0f} to "
+            f"{max(TIMING_PATTERN) * step * 1e3:.0f} ms after the previous call's (as JAX's "
+            "asynchronous dispatch does)")
+    limit = 1 + TIMING_MAX_TIMED
     if run.get("error", "").startswith("_TooManyCalls"):
-        _fail(f"{test}; it called f more than {TIMING_MAX_CALLS} times. It should call f a few "
-              f"times (at most {TIMING_MAX_CALLS}, as the task says) and return the seconds "
-              "per call.")
+        _fail(f"{test}; it called f more than {limit} times. It should call f once before the "
+              f"clock starts, then time several calls, at most {TIMING_MAX_TIMED} as the task "
+              "says, and return their average.")
     if "error" in run:
         _fail(f"{test}; it raised {run['error']} ({run['where']}). It should call f(x) a few "
-              f"times (at most {TIMING_MAX_CALLS}) and return the seconds per call.")
+              f"times (at most {TIMING_MAX_TIMED} timed calls) and return the seconds per call.")
     out = run["output"]
     if out["kind"] in ("none", "ellipsis"):
         _fail(f"`seconds_per_call` is not defined yet (it returns {form.describe(out)}): write "
@@ -694,25 +799,31 @@ def _timing_method(run):
         _fail(f"{test}; it called f {n} time{'s' if n != 1 else ''}, so at most {timed} "
               f"call{'s' if timed != 1 else ''} after the first (compiling) one can have been "
               f"timed; expected an average over at least {TIMING_MIN_TIMED} timed calls (the "
-              f"task says several, at most {TIMING_MAX_CALLS}). Call f once before starting "
+              f"task says several, at most {TIMING_MAX_TIMED}). Call f once before starting "
               f"the clock, then time at least {TIMING_MIN_TIMED} calls and return their average.")
     t = out["value"]
-    if t < step / 2:
-        _fail(f"{test}. It returned {t:.3g} s per call instead of about {step:.3g} s: the clock "
-              "stopped before the results were ready. Wait for them with "
-              "jax.block_until_ready inside the timed region.")
-    if t > step + first / (2 * max(n, 1)):
-        # what the student most likely measured, by the nearest of the usual slips
-        k = max(n - 1, 1)
-        slips = {"counts the first (compiling) call": (first + k * step) / k,
-                 "is in milliseconds rather than seconds": 1000 * step,
-                 "is not divided by the number of calls": k * step,
-                 "counts the first call and is not divided by the number of calls":
-                     first + k * step}
-        slip = min(slips, key=lambda s: abs(math.log(t / slips[s])))
-        _fail(f"{test}. It called f {n} times and returned {t:.3g} s per call instead of "
-              f"about {step:.3g} s: the time {slip}. Call f once before starting the clock "
-              "(to compile it), then time several calls and divide by their number.")
+    if not run["waits"] or t < step / 2:
+        _fail(f"{test}. It returned {t:.3g} s per call; expected the mean time of the calls "
+              f"after the first, each of which works {step:.3g} s or more: the clock stopped "
+              "before the results were ready. Wait for them with jax.block_until_ready inside "
+              "the timed region.")
+    totals = _timed_totals(run)
+    matched = [m for _, m, total in totals
+               if m >= TIMING_MIN_TIMED and abs(t * m - total) <= TIMING_TOLERANCE * step]
+    if any(m <= TIMING_MAX_TIMED for m in matched):
+        return
+    if matched:
+        _fail(f"{test}; it averaged over {min(matched)} calls; expected several, at most "
+              f"{TIMING_MAX_TIMED} as the task says.")
+    _, m, total = totals[0]
+    slip = _timing_slip(run, t)
+    why = f": the time {slip}" if slip else ", which is not the mean time of the timed calls"
+    _fail(f"{test}. It called f {n} times; the {m} calls after the first took {total:.4g} s "
+          f"in all, so expected their mean, {total / m:.4g} s per call, but it returned "
+          f"{t:.4g} s per call{why}. Call f once and wait for its result before starting the clock (so that "
+          "neither compiling nor that call's work is counted), then time several calls, waiting "
+          "for each result inside the timed region, and return their total time divided by "
+          "their number.")
 
 
 def _q9(ev):
