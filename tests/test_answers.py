@@ -89,7 +89,7 @@ def test_answer_leaves_the_other_questions_as_declared(answer, graded):
 EXPECTATION = re.compile(
     r"expected|should|not defined yet|is empty|has no entry|asks you|put them on the same|"
     r"each device holds|is held by|is spread over|comes out as|takes about|rules out|instead|"
-    r"average them with|add them up|must be", re.I)
+    r"average them with|add them up|must be|was never set", re.I)
 INTERNAL = re.compile(r"Traceback|File \"|jaxlab_lab\d|_fail\(|\bev\[|\bsev\[|line \d+ of jaxlab")
 
 
@@ -131,7 +131,7 @@ def test_kernel_state_is_back_to_the_solution_after_the_whole_corpus(lab, graded
 # before submission, on the notebook's own inputs: the share of the lab's wrong answers whose
 # public cases fail. Labs whose public checks were written to catch mistakes are held to it.
 PUBLIC_FLAG_TARGET = 0.70
-PUBLIC_FLAG_LABS = set()
+PUBLIC_FLAG_LABS = {"lab3-parallelism"}
 
 
 @pytest.mark.parametrize("lab", harness.labs())
