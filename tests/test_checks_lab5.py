@@ -123,6 +123,16 @@ def test_q3_accepts_stacked_layers_and_names_reversed_ones():
     assert "in reverse order" in msg
 
 
+def test_q3_names_a_mesh_whose_devices_are_out_of_order():
+    """'device k holds layers 2k and 2k + 1': a mesh of the devices last to first puts layers 0
+    and 1 on device 7."""
+    W, b = lab5._lab_layers()
+    mesh = jax.make_mesh((8,), ("stage",), axis_types=(AxisType.Auto,), devices=DEVICES[::-1])
+    put = partial(place, spec=P("stage"), mesh=mesh)
+    msg = verdict_message("q3_stage_params", mesh_stage=mesh, stage_params=(put(W), put(b)))
+    assert msg.startswith("`mesh_stage` holds the devices [7, 6, 5, 4, 3, 2, 1, 0] in that order")
+
+
 def gpipe(shift_every_microbatch=False):
     @jax.jit
     @partial(jax.shard_map, mesh=MESH_STAGE, in_specs=(P("stage"), P()), out_specs=P())
@@ -247,6 +257,20 @@ def test_q6_names_ties_one_stage_and_the_type_of_a_jax_array():
         lab5.verdict("q6_bubble", ev)
 
 
+def test_q6_names_a_wrong_value_before_its_type():
+    """Issue 44: a type message only where the value is right; a float32 array of the wrong
+    formula is told about the formula."""
+    ev = lab5.probe("q6_bubble", {"bubble_fraction": lambda L, M: jnp.float32(L - 1) / M,
+                                  "microbatches_needed": right_needed})
+    with pytest.raises(AssertionError, match="idle time over the busy time") as info:
+        lab5.verdict("q6_bubble", ev)
+    assert "plain Python number" not in str(info.value)
+    ev = lab5.probe("q6_bubble", {"bubble_fraction": right_bubble,
+                                  "microbatches_needed": lambda L, b: float(right_needed(L, b) + 1)})
+    with pytest.raises(AssertionError, match=r"is \d+; expected \d+, the smallest number"):
+        lab5.verdict("q6_bubble", ev)
+
+
 # --------------------------------------------------------------------------- part C
 def route(tokens, router_weights, capacity, first_slot=0):
     probs = jax.nn.softmax(tokens @ router_weights, axis=-1)
@@ -315,6 +339,21 @@ def test_q8_accepts_two_all_to_all_and_rejects_replicated_experts():
                           "in_specs P()")
 
 
+def test_q8_says_what_a_layer_that_raises_on_new_sizes_raised():
+    """The check once lost the student's exception ("could not be checked (KeyError:
+    'output')"): it read the list of fresh records as one record."""
+    @jax.jit
+    @partial(jax.shard_map, mesh=MESH_EXPERT, in_specs=(P("expert"), P(), P("expert"),
+                                                        P("expert")), out_specs=P("expert"))
+    def moe_layer(tokens, router_weights, W_in, W_out):
+        return tokens.reshape(8, 16) @ W_in[0] @ W_out[0]
+
+    msg = verdict_message("q8_moe_all_to_all", moe_layer=moe_layer)
+    assert msg.startswith("`moe_layer(tokens, router_weights, W_in, W_out) for 12 new tokens per "
+                          "device` on new data raised TypeError: ")
+    assert "KeyError" not in msg
+
+
 def test_moe_reference_drops_tokens_per_device():
     rng = np.random.default_rng(0)
     tokens = rng.normal(size=(8 * 12, 16))
@@ -326,3 +365,48 @@ def test_moe_reference_drops_tokens_per_device():
         kept = np.bincount(expert[g > 0], minlength=8)
         assert kept.max() <= lab5.EXPERT_CAPACITY
         assert (kept == np.minimum(np.bincount(expert, minlength=8), lab5.EXPERT_CAPACITY)).all()
+
+
+# --------------------------------------------------------------------------- the notebook's tools
+def notebook_collectives():
+    """The notebook's `collectives` helpers (the cell that defines print_collectives)."""
+    import math
+    import re
+    from collections import Counter
+
+    import nbformat
+
+    from labs import release_paths
+
+    cells = nbformat.read(release_paths("lab5-scaling")["master"], as_version=4).cells
+    source = next(c.source for c in cells if "def print_collectives" in c.source)
+    scope = {"np": np, "jax": jax, "math": math, "re": re, "Counter": Counter}
+    exec(source, scope)
+    return scope
+
+
+@pytest.mark.parametrize("attributes, groups", [
+    ("replica_groups={{0,1},{2,3},{4,5},{6,7}}, use_global_device_ids=true",
+     [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ("replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true",
+     [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, use_global_device_ids=true",
+     [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}, "
+     "dimensions={0}", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ("replica_groups={}, to_apply=%add", [list(range(8))]),
+    ("source_target_pairs={{0,1},{1,2}}, metadata={}", [[0, 1], [1, 2]]),
+])
+def test_the_notebook_reads_each_way_xla_writes_device_groups(attributes, groups):
+    assert notebook_collectives()["_device_groups"](attributes, 8) == groups
+
+
+def test_the_notebook_names_the_mesh_axes_a_collective_runs_over():
+    over = notebook_collectives()["_over"]
+    assert over("all-reduce", [[0, 1], [2, 3], [4, 5], [6, 7]], MESH_2D) == "'model'"
+    assert over("all-reduce", [[0, 2, 4, 6], [1, 3, 5, 7]], MESH_2D) == "'data'"
+    assert over("all-reduce", [list(range(8))], MESH_2D) == "'data' and 'model'"
+    assert over("collective-permute", [[k, k + 1] for k in range(7)], MESH_STAGE) == \
+        "'stage', each device to the one 1 after it"
+    assert over("collective-permute", [[k + 1, k] for k in range(7)], MESH_STAGE) == \
+        "'stage', each device to the one 1 before it"

@@ -122,6 +122,14 @@ def test_a_correct_script_passes_and_the_records_show_what_each_process_did():
         assert x_call["values"] == fresh["x"][i * n // 2:(i + 1) * n // 2, 0].tolist()
         assert x_call["processes"] == [0, 1] and x_call["shard_shape"] == [n // 8, 1]
     assert fresh["records"][0]["writes"] and not fresh["records"][1]["writes"]
+    for record in fresh["records"]:  # step 1's settings before initialize, step 4's placement
+        assert [(c["name"], c["value"], c["after_initialize"]) for c in record["config"]][:2] == [
+            ("jax_num_cpu_devices", "4", False),
+            ("jax_cpu_collectives_implementation", "'gloo'", False)]
+        assert sorted(tuple(x["shape"]) for x in record["placed"][0]) == sorted(
+            [(1, 64), (64,), (64, 64), (64,), (64, 1), (1,)])
+        assert all(x["replicated"] and x["devices"] == 8 for x in record["placed"][0])
+    assert fresh["records"][1]["printed"] == ""
     assert not leftover_processes()
 
 

@@ -420,7 +420,8 @@ def _placed_mlp(mesh, params, batch):
 
 
 def _probe_mesh_2d(values):
-    ev = form.evidence_of({k: v for k, v in values.items() if k != "mesh_2d"})
+    ev = form.evidence_of({k: values.get(k) for k in ("x_2d", "params_2d", "forward_2d",
+                                                      "out_2d")})
     ev["mesh_2d"] = _mesh_evidence(values.get("mesh_2d"))
     ev["params_2d"] = _tree_evidence(values.get("params_2d"))
     fn = values.get("forward_2d")
@@ -712,6 +713,10 @@ def _q3(ev):
     if tuple(mev["axis_names"]) != STAGE_MESH[0] or tuple(mev["shape"]) != STAGE_MESH[1]:
         _fail(f"`mesh_stage` is {_mesh_words(mev)}; expected a 1-D mesh of the 8 devices with "
               "one axis named 'stage'.")
+    ids = np.ravel(mev["device_ids"]).tolist()
+    if ids != sorted(ids):  # `devices` lists the runtime's devices in the order of their ids
+        _fail(f"`mesh_stage` holds the devices {ids} in that order; expected the 8 `devices` in "
+              f"their order {sorted(ids)}, so that device k holds layers 2k and 2k + 1.")
     W, b = _lab_layers()
     items = _arrays("stage_params", ev["stage_params"], 2,
                     "the tuple (W_stack, b_stack) of the stacked weights and biases")
@@ -900,7 +905,7 @@ def _needed_draws(rng):
 
 
 def _probe_bubble(values):
-    ev = form.evidence_of(values)
+    ev = form.evidence_of({k: values.get(k) for k in ("bubble_fraction", "microbatches_needed")})
     bubble, needed = values.get("bubble_fraction"), values.get("microbatches_needed")
     rng = _rng()
     fresh = {}
@@ -929,34 +934,54 @@ EXACT_NUMBER_TYPES = ("int", "float", "float64", "int8", "int16", "int32", "int6
 
 
 def _number(name, ev, integer=False):
-    """The value of a plain Python number (or a NumPy scalar of the same precision), or fail."""
+    """(value, what is wrong with its type or None) of what a function returned: a plain Python
+    number (or a NumPy scalar of the same precision) has no type problem; fails where there is
+    no number at all. The type problem is named only once the value is right (``_typed``)."""
     wanted = "an int" if integer else "a float"
     if ev["kind"] == "error":
         _fail(f"`{name}` raised {ev['error']}; it should return {wanted}.")
     if ev["kind"] == "number" and ev["type"] in EXACT_NUMBER_TYPES and (ev["is_int"]
                                                                         or not integer):
-        return ev["value"]
+        return ev["value"], None
     if ev["kind"] in ("array", "ndarray") and ev["shape"] == [] and "value" in ev:
         what = "a jax.Array" if ev["kind"] == "array" else "a NumPy array"
-        _fail(f"`{name}` returned {what} of shape () and dtype {ev['dtype']} (value "
-              f"{float(ev['value']):.9g}), not a plain Python number; expected {wanted}, as the "
-              "task asks: both functions take and return plain Python numbers (convert with "
-              f"{'int' if integer else 'float'}(...), or compute with Python numbers: "
-              "float32 keeps only about 7 digits of a fraction).")
+        return float(ev["value"]), (
+            f"`{name}` returned {what} of shape () and dtype {ev['dtype']} (value "
+            f"{float(ev['value']):.9g}), not a plain Python number; expected {wanted}, as the "
+            "task asks: both functions take and return plain Python numbers (convert with "
+            f"{'int' if integer else 'float'}(...), or compute with Python numbers: "
+            "float32 keeps only about 7 digits of a fraction).")
     if ev["kind"] == "number" and not integer:
-        _fail(f"`{name}` returned a NumPy {ev['type']} ({ev['value']:.9g}), not a plain Python "
-              f"number; expected {wanted}, as the task asks (convert with float(...): "
-              f"{ev['type']} keeps too few digits of a fraction).")
+        return ev["value"], (
+            f"`{name}` returned a NumPy {ev['type']} ({ev['value']:.9g}), not a plain Python "
+            f"number; expected {wanted}, as the task asks (convert with float(...): "
+            f"{ev['type']} keeps too few digits of a fraction).")
+    if ev["kind"] == "number":
+        return ev["value"], f"`{name}` returned {form.describe(ev)} (a {ev['type']}); expected {wanted}."
     _fail(f"`{name}` returned {form.describe(ev)}; expected {wanted}.")
+
+
+def _typed(value, problem, expected, rel_tol):
+    """Whether ``value`` is ``expected``; a right value of the wrong type fails with its type
+    problem (a 32-bit float is right when it holds ``expected`` to its own precision)."""
+    if problem is None:
+        return math.isclose(value, expected, rel_tol=rel_tol, abs_tol=1e-12)
+    if math.isclose(value, expected, rel_tol=max(rel_tol, FLOAT32_RTOL), abs_tol=1e-12):
+        _fail(problem)
+    return False
+
+
+# a float32 holds about 7 significant digits
+FLOAT32_RTOL = 1e-6
 
 
 def _q6(ev):
     form.expect_callable("bubble_fraction", ev["bubble_fraction"])
     for L, M, out in ev["fresh"]["bubble"]:
         call = f"bubble_fraction({L}, {M})"
-        value = _number(call, out)
+        value, problem = _number(call, out)
         expected = _bubble(L, M)
-        if not math.isclose(value, expected, rel_tol=1e-9, abs_tol=1e-12):
+        if not _typed(value, problem, expected, 1e-9):
             # (at one microbatch, L - 1 over 1 says nothing about how it was computed)
             extra = (" That is the idle time over the busy time; the task asks for the idle "
                      "slots over all slots of the schedule." if M > 1 and math.isclose(
@@ -967,9 +992,9 @@ def _q6(ev):
     form.expect_callable("microbatches_needed", ev["microbatches_needed"])
     for L, bound, out in ev["fresh"]["needed"]:
         call = f"microbatches_needed({L}, {bound!r})"
-        value = _number(call, out, integer=True)
+        value, problem = _number(call, out, integer=True)
         expected = _needed(L, bound)
-        if value == expected:
+        if _typed(value, problem, expected, 0.0):
             continue
         if value < 1:
             _fail(f"`{call}` is {value:g}; expected {expected}: at least one microbatch, even "
@@ -1063,7 +1088,7 @@ def _route_draw(rng, case):
 def _probe_route(values):
     import jax
 
-    ev = form.evidence_of(values)
+    ev = form.evidence_of({"route": values.get("route")})
     fn = values.get("route")
     if callable(fn):
         rng, cases = _rng(), []
@@ -1123,7 +1148,7 @@ def _q7(ev):
 
 
 def _probe_moe(values):
-    ev = form.evidence_of(values)
+    ev = form.evidence_of({"moe_layer": values.get("moe_layer")})
     fn = values.get("moe_layer")
     if callable(fn):
         import jax
@@ -1174,7 +1199,9 @@ def _expert_weight(shape):
 
 
 def _q8(ev):
-    cases = _fresh("moe_layer", ev, "moe_layer(tokens, router_weights, W_in, W_out)")
+    cases = _fresh_each("moe_layer", ev, [
+        f"moe_layer(tokens, router_weights, W_in, W_out) for {n} new token{'s' if n > 1 else ''} "
+        "per device" for n in MOE_TOKENS_PER_DEVICE])
     for fresh in cases:
         T = len(fresh["tokens"])
         call = (f"moe_layer(tokens, router_weights, W_in, W_out) for {T // N_EXPERTS} new "
@@ -1209,6 +1236,15 @@ def _q8(ev):
                               or m["times"] != 1 for m in moves):
         _fail(f"inside its shard_map `moe_layer` communicates {len(moves)} time(s) "
               f"({_describe_moves(moves)}); expected what the task says: {words}.")
+    slots = N_EXPERTS * EXPERT_CAPACITY * D_MODEL  # one device's (E, capacity, D) buffer
+    for move, what in zip(moves, ("tokens out to the experts", "results back")):
+        shape = tuple(move["in"][0]) if move["in"] else ()
+        if math.prod(shape) != slots:
+            _fail(f"`moe_layer` sends the {what} with an all_to_all of an array of shape {shape} "
+                  f"on each device ({math.prod(shape)} numbers); expected what the task says: "
+                  f"buffers of E × EXPERT_CAPACITY slots, shape ({N_EXPERTS}, {EXPERT_CAPACITY}, "
+                  f"{D_MODEL}) ({slots} numbers), whatever the number of tokens: the capacity "
+                  "bounds what each device sends to each expert.")
     body = [s for s in program["steps"] if s["inside"]]
     sent, returned = (i for i, s in enumerate(body) if s["prim"] in COMMUNICATION)
     experts = [i for i, s in enumerate(body) if s["prim"] == "dot_general"
@@ -1325,7 +1361,8 @@ import sys
 
 record_path, script, *args = sys.argv[1:]
 out_path = os.path.realpath(args[-1])
-record = {"initialize": [], "local_data": [], "writes": [], "notes": []}
+record = {"initialize": [], "local_data": [], "writes": [], "notes": [], "config": [],
+          "placed": [], "printed": ""}
 
 
 def _writing(mode, flags):
@@ -1359,10 +1396,54 @@ _initialize = jax.distributed.initialize
 _make = jax.make_array_from_process_local_data
 
 
+_update = jax.config.update
+_device_put = jax.device_put
+
+
 def initialize(*a, **k):
     record["initialize"].append({"args": [repr(v) for v in a],
                                  "kwargs": {n: repr(v) for n, v in k.items()}})
     return _initialize(*a, **k)
+
+
+def update(*a, **k):
+    name = a[0] if a else k.get("name")
+    value = a[1] if len(a) > 1 else k.get("val")
+    record["config"].append({"name": str(name), "value": repr(value),
+                             "after_initialize": bool(record["initialize"])})
+    return _update(*a, **k)
+
+
+def device_put(*a, **k):
+    placed = _device_put(*a, **k)
+    try:
+        found = []
+        for x in jax.tree.leaves(placed):
+            if isinstance(x, jax.Array):
+                found.append({"shape": [int(n) for n in x.shape],
+                              "replicated": bool(x.sharding.is_fully_replicated),
+                              "devices": len(x.sharding.device_set),
+                              "processes": sorted({int(d.process_index)
+                                                   for d in x.sharding.device_set})})
+        record["placed"].append(found)
+    except Exception as exc:
+        record["notes"].append(f"recording device_put: {exc!r}")
+    return placed
+
+
+class _Printed:
+    """sys.stdout, keeping the start of what the script prints."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if len(record["printed"]) < 2000:
+            record["printed"] += str(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def _facts():
@@ -1390,6 +1471,9 @@ def make_array_from_process_local_data(sharding, local_data, *a, **k):
 
 jax.distributed.initialize = initialize
 jax.make_array_from_process_local_data = make_array_from_process_local_data
+jax.config.update = update
+jax.device_put = device_put
+sys.stdout = _Printed(sys.stdout)
 
 
 def _write_record():
@@ -1615,7 +1699,7 @@ def _pd_rerun(script):
 
 
 def _pd_probe(values):
-    ev = form.evidence_of(values)
+    ev = form.evidence_of({"train_script": values.get("train_script")})
     script = values.get("train_script")
     if type(script) is str and script.strip():
         ev["fresh"] = _pd_rerun(script)
@@ -1823,6 +1907,44 @@ def _pd_writes(records):
                      "wrote the output file; expected only process 0 to save. Every process "
                      "holds the same replicated parameters, and processes writing one file at "
                      "once can leave it half written.")
+        if index != 0 and record.get("printed", "").strip():
+            _pd_fail(f"`train_script`: process {index} (jax.process_index() == {index}) printed "
+                     f"{record['printed'].strip()[:80]!r}; expected what the task says: print "
+                     "from process 0 only (the other process prints nothing).")
+
+
+# step 1 of the task: both settings with jax.config.update, before jax.distributed.initialize
+PD_SETTINGS = (("jax_num_cpu_devices", repr(PD_LOCAL_DEVICES)),
+               ("jax_cpu_collectives_implementation", repr("gloo")))
+
+
+def _pd_settings(records):
+    for i, record in enumerate(records):
+        for name, value in PD_SETTINGS:
+            calls = [c for c in record.get("config", []) if c["name"] == name
+                     and c["value"] == value]
+            if calls and not all(c["after_initialize"] for c in calls):
+                continue
+            how = (f"set {name} to {value} only after jax.distributed.initialize" if calls
+                   else f"never set {name} to {value} with jax.config.update")
+            _pd_fail(f"`train_script`: process {i} {how}; expected what step 1 says: "
+                     f"jax.config.update('{name}', {value}) before jax.distributed.initialize, "
+                     "as pd_hello.py does (JAX picks gloo by itself since 0.5.1, but the script "
+                     "says what it needs).")
+
+
+def _pd_params_placed(records):
+    shapes = {(a, b) for a, b in zip(PD_LAYER_SIZES[:-1], PD_LAYER_SIZES[1:])} | \
+        {(b,) for b in PD_LAYER_SIZES[1:]}
+    for i, record in enumerate(records):
+        placed = {tuple(x["shape"]) for call in record.get("placed", []) for x in call
+                  if x["replicated"] and x["devices"] == PD_PROCESSES * PD_LOCAL_DEVICES
+                  and x["processes"] == list(range(PD_PROCESSES))}
+        if not shapes <= placed:
+            _pd_fail(f"`train_script`: process {i} did not place the parameters replicated on "
+                     "the 8 devices with jax.device_put; expected what step 4 says: "
+                     "jax.device_put(params, NamedSharding(mesh, P())) of the parameters that "
+                     "pd_model.load_params(DATA_FILE) returns.")
 
 
 def _pd_saved(fresh):
@@ -1909,32 +2031,50 @@ def _pd_q9(ev):
     _pd_ran(fresh)
     records = fresh["records"]
     _pd_joined(records)
+    _pd_settings(records)
     _pd_global_data(records, fresh)
+    _pd_params_placed(records)
     _pd_writes(records)
     _pd_trained(_pd_saved(fresh), fresh, ev["train_script"]["value"])
 
 
 # =========================================================================== questions
+# What each question's public checks (grader.check in the notebook) read besides the answer:
+# the notebook's own inputs and references, which no later cell reassigns. The hidden probes
+# read only the answers.
+NOTEBOOK = {
+    "q1": " mlp_params x_mlp forward",
+    "q2": " mlp_params x_mlp y_mlp mlp_loss",
+    "q3": " layers devices",
+    "q4": " layers micro_x expected_outputs",
+    "q5": " layers micro_x micro_y sequential_loss",
+    "q7": " moe_tokens moe_router EXPERT_CAPACITY TOKENS_PER_DEVICE",
+    "q8": " mesh_expert moe_dense moe_tokens moe_router moe_W_in moe_W_out EXPERT_CAPACITY",
+    "q9": " launch pd_params_single",
+}
 QUESTIONS = {
     # Part A
-    "q1_mesh_2d": form.question("mesh_2d x_2d params_2d forward_2d out_2d", _q1,
-                                _probe_mesh_2d),
-    "q2_dp_tp_shard_map": form.question("loss_2d mesh_2d", _q2, _probe_loss_2d),
+    "q1_mesh_2d": form.question("mesh_2d x_2d params_2d forward_2d out_2d" + NOTEBOOK["q1"],
+                                _q1, _probe_mesh_2d),
+    "q2_dp_tp_shard_map": form.question("loss_2d mesh_2d" + NOTEBOOK["q2"], _q2,
+                                        _probe_loss_2d),
     # Part B
-    "q3_stage_params": form.question("mesh_stage stage_params", _q3, _probe_stage_params),
-    "q4_pipeline_forward": form.question("pipeline_forward mesh_stage", _q4,
+    "q3_stage_params": form.question("mesh_stage stage_params" + NOTEBOOK["q3"], _q3,
+                                     _probe_stage_params),
+    "q4_pipeline_forward": form.question("pipeline_forward mesh_stage" + NOTEBOOK["q4"], _q4,
                                          _probe_pipeline("pipeline_forward", grad=False)),
-    "q5_pipeline_grad": form.question("pipeline_loss mesh_stage", _q5,
+    "q5_pipeline_grad": form.question("pipeline_loss mesh_stage" + NOTEBOOK["q5"], _q5,
                                       _probe_pipeline("pipeline_loss", grad=True)),
     "q6_bubble": form.question("bubble_fraction microbatches_needed", _q6, _probe_bubble),
     # Part C
-    "q7_router": form.question("route", _q7, _probe_route),
-    "q8_moe_all_to_all": form.question("moe_layer", _q8, _probe_moe),
+    "q7_router": form.question("route" + NOTEBOOK["q7"], _q7, _probe_route),
+    "q8_moe_all_to_all": form.question("moe_layer" + NOTEBOOK["q8"], _q8, _probe_moe),
     # Part D
     # probed first: it gives back the kernel's compiled programs before its processes start
     # (_pd_free_kernel_memory), which the other probes' compiling would otherwise pay for again
     # in otter's own tests after them
-    "q9_multi_process": form.question("train_script", _pd_q9, _pd_probe, probe_first=True),
+    "q9_multi_process": form.question("train_script" + NOTEBOOK["q9"], _pd_q9, _pd_probe,
+                                      probe_first=True),
 }
 probe, verdict, check = form.entry_points(QUESTIONS)
 JAXLAB_CHECKS = 1  # declares the probe/verdict contract `jaxlab grade` relies on
