@@ -10,6 +10,7 @@ steps tell a fair timing from the two traps the task names.
 
 import ast
 import math
+import re
 import time
 
 import jax
@@ -18,6 +19,7 @@ import nbformat
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from labs import release_paths
 from jaxlab.checks import form, lab7
@@ -229,3 +231,101 @@ def test_q9_accepts_the_notebooks_solution():
 def test_q9_rejects_the_two_traps(time_step, says):
     with pytest.raises(AssertionError, match=says):
         _q9(time_step)
+
+
+def _time_step_fastest_call(step, args, repeats):
+    jax.block_until_ready(step(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _time_step_method_block(step, args, repeats):
+    step(*args).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = step(*args)
+    out.block_until_ready()
+    return (time.perf_counter() - start) / repeats
+
+
+@pytest.mark.parametrize("time_step, says", [
+    (_time_step_fastest_call, "as the fastest call or the median is"),
+    (_time_step_method_block, "block on the whole result with jax.block_until_ready(out)"),
+])
+def test_q9_names_the_fastest_call_and_a_method_a_tuple_lacks(time_step, says):
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        _q9(time_step)
+
+
+# --------------------------------------------------------------------------- compiled programs
+def test_collectives_counts_a_combined_all_reduce():
+    text = ("  %all-reduce.80 = (f32[64]{0}, f32[128,64]{1,0}) all-reduce(%a, %b), channel_id=1\n"
+            "  %all-gather = f32[1,64,32]{2,0,1} all-gather(%c), channel_id=2\n"
+            "  %x = f32[2] add(%all-reduce.80, %y)\n")
+    assert lab7.COLLECTIVE.findall(text) == ["all-reduce", "all-gather"]
+
+
+# --------------------------------------------------------------------------- q6's rows
+def test_rows_seen_names_the_rows_of_each_microbatch():
+    cfg = lab7.Config(vocab=12, d_model=8, n_heads=2, d_ff=12, n_layers=1, seq=6)
+    params = lab7._fresh_params(RNG, cfg)
+    tokens = lab7._distinct_rows(RNG, cfg, 6)
+    namespace = {"jax": jax, "jnp": jnp, "lax": lax, "loss_fn": lab7._loss}
+    exec("def consecutive(params, tokens, n_heads, n):\n"
+         "    micro = tokens.reshape(n, -1, tokens.shape[1])\n"
+         "    return lax.map(lambda b: jax.value_and_grad(loss_fn)(params, b, n_heads)[0], micro)\n"
+         "def strided(params, tokens, n_heads, n):\n"
+         "    micro = tokens.reshape(-1, n, tokens.shape[1]).swapaxes(0, 1)\n"
+         "    return lax.map(lambda b: jax.value_and_grad(loss_fn)(params, b, n_heads)[0], micro)\n",
+         namespace)
+    for name, wanted in (("consecutive", [[0, 1, 2], [3, 4, 5]]),
+                         ("strided", [[0, 2, 4], [1, 3, 5]])):
+        fn = namespace[name]
+        with lab7._rows_seen(fn) as seen:
+            jax.block_until_ready(jax.jit(lambda p, t: fn(p, t, cfg.n_heads, 2))(params, tokens))
+            jax.effects_barrier()
+        assert sorted(lab7._row_numbers(seen, tokens, 3)) == wanted, name
+        assert namespace["loss_fn"] is lab7._loss  # put back
+
+
+# --------------------------------------------------------------------------- q7's checkpoint
+def test_the_checkpoints_metadata_and_the_restores_reads_are_read(tmp_path):
+    """A sharded save records each array's sharding and chunks of one device's block; a save of
+    host copies records neither. A restore into a sharded target reads into that layout; a
+    replicated one reads whole arrays."""
+    import orbax.checkpoint as ocp
+
+    mesh = lab7._mesh((4, 2))
+    cfg = lab7.Config(vocab=16, d_model=16, n_heads=2, d_ff=32, n_layers=2, seq=8)
+    state = {"params": lab7._shard(lab7._fresh_params(RNG, cfg), mesh, lab7._fsdp_spec),
+             "step": lab7._put(np.int32(3), mesh)}
+    for name, saved in (("sharded", state), ("host", jax.device_get(state))):
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp_path / name, saved)
+            checkpointer.wait_until_finished()
+    sharded = lab7._written(ocp, tmp_path / "sharded", state)
+    host = lab7._written(ocp, tmp_path / "host", state)
+    wq = "params/layers/wq"
+    assert sharded["leaves"][wq]["sharding"] == [None, "data", "model"]
+    assert sharded["leaves"][wq]["chunks"] == sharded["blocks"][wq] == [2, 4, 8]
+    assert host["leaves"][wq]["sharding"] is None and host["leaves"][wq]["chunks"] == [2, 16, 16]
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    small = lab7._mesh((2, 2), 4)
+    for spec_of, wanted in ((lambda path: lab7._fsdp_spec(path) if path[0] != "step" else (),
+                             [None, "data", "model"]), (lambda path: (), [])):
+        target = {"params": {k: (jax.tree_util.tree_map_with_path(
+            lambda p, s, k=k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
+                small, P(*spec_of((k,) + tuple(q.key for q in p))))), v)
+            if isinstance(v, dict) else jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+                small, P(*spec_of((k,)))))) for k, v in abstract["params"].items()},
+            "step": jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(small, P()))}
+        with lab7._orbax_reads() as reads, ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.restore(tmp_path / "sharded", target)
+        read = dict(reads)
+        assert read["params.layers.wq"]["spec"] == wanted, read["params.layers.wq"]
+        assert read["params.layers.wq"]["mesh_shape"] == [2, 2]
+    assert ocp.type_handlers.ArrayHandler.deserialize.__name__ == "deserialize"
