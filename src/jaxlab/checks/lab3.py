@@ -847,19 +847,32 @@ def _q9(ev):
                   "and divide by the number of calls.")
 
 
+# the notebook's own names that a question's public check reads besides its graded ones (its
+# inputs and single-device references; no cell after the question reassigns them)
+NOTEBOOK = {
+    "q1": " A",
+    "q2": " devices",
+    "q5": " x W b layer",
+    "q6": " x W b layer",
+    "q7": " x W b layer",
+    "q8": " x_train y_train params params_single devices",
+    "q9": " grad_loss params x_train y_train params_replicated x_train_sharded y_train_sharded",
+}
 QUESTIONS = {
-    "q1_device_put": form.question("A_sharded", _q1),
-    "q2_inspect": form.question("A_sharded_devices A_shard_shape", _q2),
+    "q1_device_put": form.question("A_sharded" + NOTEBOOK["q1"], _q1),
+    "q2_inspect": form.question("A_sharded_devices A_shard_shape" + NOTEBOOK["q2"], _q2),
     "q3_partition_specs": form.question("shard_shapes replicas", _q3),
     "q4_propagation": form.question("B C B_plus_C BtC", _q4),
-    "q5_dp_auto": form.question("x_auto W_auto b_auto out_auto", _q5),
-    "q6_dp_explicit": form.question("x_explicit W_explicit b_explicit layer_explicit out_explicit", _q6,
-                         _probe_explicit),
-    "q7_dp_manual": form.question("layer_manual out_man", _q7, _probe_manual),
+    "q5_dp_auto": form.question("x_auto W_auto b_auto out_auto" + NOTEBOOK["q5"], _q5),
+    "q6_dp_explicit": form.question(
+        "x_explicit W_explicit b_explicit layer_explicit out_explicit" + NOTEBOOK["q6"], _q6,
+        _probe_explicit),
+    "q7_dp_manual": form.question("layer_manual out_man" + NOTEBOOK["q7"], _q7, _probe_manual),
     "q8_sharded_training": form.question(
-        "x_train_sharded y_train_sharded params_replicated params_trained_sharded", _q8),
-    "q9_timing": form.question("seconds_per_call time_unsharded time_sharded", _q9,
-                               _probe_timing),
+        "x_train_sharded y_train_sharded params_replicated params_trained_sharded"
+        + NOTEBOOK["q8"], _q8),
+    "q9_timing": form.question("seconds_per_call time_unsharded time_sharded" + NOTEBOOK["q9"],
+                               _q9, _probe_timing),
 }
 
 # Verdicts that rest on timings: the kernel's own check (its claim) times again, at another
