@@ -1323,9 +1323,9 @@ def f(x):
 
 def gen_data(key, f, n=100, sigma=0.1, xmin=0.0, xmax=2.0):
     keys = jax.random.split(key, 2)
-    x = jax.random.uniform(keys[0], shape=(n, 1), minval=xmin, maxval=xmax)
-    y = f(x) + sigma * jax.random.normal(keys[1], shape=(n, 1))
-    return x, y
+    inputs = jax.random.uniform(keys[0], shape=(n, 1), minval=xmin, maxval=xmax)
+    targets = f(inputs) + sigma * jax.random.normal(keys[1], shape=(n, 1))
+    return inputs, targets
 
 
 def random_layer_params(n_in, n_out, key, scale=1e-1):
@@ -1339,11 +1339,12 @@ def init_network_params(sizes, key):
     return [random_layer_params(m, n, k) for m, n, k in zip(sizes[:-1], sizes[1:], keys)]
 
 
-def forward(params, x):
-    for w, b in params[:-1]:
-        x = jnp.tanh(jnp.dot(x, w) + b)
+def forward(params, inputs):
+    h = inputs
+    for w, bias in params[:-1]:
+        h = jnp.tanh(jnp.dot(h, w) + bias)
     final_w, final_b = params[-1]
-    return jnp.dot(x, final_w) + final_b
+    return jnp.dot(h, final_w) + final_b
 
 
 def loss(params, x, y):
