@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from labs import release_paths
 from jaxlab.checks import form, lab6
@@ -81,8 +81,10 @@ def test_the_tables_rules_match_the_compiled_collectives(I, J, K, n):
                 4: ("reduce-scatter", (n - 1) / n * 4 * I * K)}
     for case, (kind, sent) in expected.items():
         flops, collectives = lab6._compiled_case(case, I, J, K, n)
-        assert math.isclose(flops, 2 * I * J * K / n, rel_tol=lab6.FLOPS_RTOL)
         found = collectives[0] if collectives else ("none", [])
+        # cost_analysis also counts one addition per element of an all-reduce's result
+        additions = math.prod(found[1]) if found[0] == "all-reduce" else 0
+        assert math.isclose(flops - additions, 2 * I * J * K / n, rel_tol=lab6.FLOPS_RTOL)
         assert found[0] == kind and len(collectives) <= 1
         assert math.isclose(lab6._collective_bytes(*found, n), sent)
 
@@ -225,11 +227,11 @@ def test_a_maximum_before_the_mask_is_named_whatever_the_large_scores_drawn():
         lab6.verdict("q5_attention_reference", ev)
 
 
-def test_ring_check_names_a_ring_that_shifts_by_two():
+def test_ring_check_accepts_only_the_texts_ring_and_names_a_ring_that_shifts_by_two():
     mesh = lab6._mesh(lab6.RING_AXIS)
     two = [(j, (j + 2) % 8) for j in range(8)]
     assert lab6._is_ring([(j, (j + 1) % 8) for j in range(8)])
-    assert lab6._is_ring([(j, (j - 1) % 8) for j in range(8)])
+    assert not lab6._is_ring([(j, (j - 1) % 8) for j in range(8)])  # "device j sends to j + 1"
     assert not lab6._is_ring(two) and not lab6._is_ring([(j, j + 1) for j in range(7)])
     fn = jax.shard_map(lambda q, k, v: lax.ppermute(k, "seq", two) + q + v, mesh=mesh,
                        in_specs=P("seq"), out_specs=P("seq"))
@@ -258,3 +260,26 @@ def test_q8_verdict_compiles_the_notebooks_own_case_programs():
     cell = next(c.source for c in nb.cells if "def case_programs(" in c.source)
     checks = ast.parse(pathlib.Path(lab6.__file__).read_text())
     assert returned(ast.parse(cell), "case_programs") == returned(checks, "_case_programs")
+
+
+def test_q8_verdict_takes_the_all_reduces_additions_off_cost_analysis():
+    I, J, K, n = 16, 512, 24, 8
+    product = 2 * I * J * K / n
+    for flops, passes in ((product, True), (product + I * K, False)):
+        ev = {"matmul_costs": form.evidence(print),
+              "fresh": [{"case": 3, "I": I, "J": J, "K": K, "n": n, "result": form.evidence(
+                  (flops, 2 * (n - 1) / n * 4 * I * K, "all-reduce"))}]}
+        if passes:
+            lab6.verdict("q8_matmul_costs", ev)
+        else:
+            with pytest.raises(AssertionError, match=f"of which {I * K} are the all-reduce's"):
+                lab6.verdict("q8_matmul_costs", ev)
+
+
+def test_the_state_must_live_on_mesh_data_itself():
+    W = jnp.ones((16, 3))
+    explicit = lab6._mesh("data", axis_type="Explicit")
+    auto = lab6._mesh("data")
+    assert lab6._on_mesh_data([jax.device_put(W, NamedSharding(explicit, P("data")))]) == [True]
+    assert lab6._on_mesh_data([jax.device_put(W, NamedSharding(auto, P("data"))), W]) == \
+        [False, False]
