@@ -41,6 +41,10 @@ FRESH_BATCH = 64
 # Sizes the tasks let vary, each tried in every grading (the first is the one whose traced
 # program is read). Task 1, "examples of any length of 3 or more": the notebook's are 5 long.
 CONV_LENGTHS = (7, 3, 12)
+# Task 1's examples are drawn with signs, so that some convolutions are negative (a psum of their
+# absolute values then differs, found blind) while every position's total over the examples stays
+# at least CONV_TOTAL_MARGIN away from zero (the division stays well conditioned).
+CONV_TOTAL_MARGIN = 1.0
 # Task 2, "any length divisible by 8": 8 is one entry per device.
 SUM_LENGTHS = (96, 8)
 # Task 7, "any batch size divisible by 8": 8 is one example per device.
@@ -156,12 +160,22 @@ def _probe_conv(values):
                             in_specs=(P("p"), P()), out_specs=P("p"))
     runs = []
     for length in CONV_LENGTHS:
-        xv = rng.uniform(0.5, 2.0, size=(5, length)).astype(np.float32)
-        xs = rng.uniform(0.5, 2.0, size=(N_DEVICES, length)).astype(np.float32)
+        xv = _signed_examples(rng, 5, length, w)
+        xs = _signed_examples(rng, N_DEVICES, length, w)
         runs.append({"x_vmap": xv, "x_shard": xs, "vmap": _run(vmapped, xv, w),
                      "shard_map": _run(sharded, xs, w)})
     ev["fresh"] = {"w": w, "runs": runs, **_trace(vmapped, runs[0]["x_vmap"], w)}
     return ev
+
+
+def _signed_examples(rng, count, length, w):
+    """``count`` examples of ``length`` with some negative convolutions and every position's total
+    at least CONV_TOTAL_MARGIN from zero."""
+    while True:
+        x = rng.uniform(-1.0, 2.0, size=(count, length)).astype(np.float32)
+        conv = np.stack([_convolve(row, w) for row in x])
+        if (conv < 0).any() and np.abs(conv.sum(axis=0)).min() >= CONV_TOTAL_MARGIN:
+            return x
 
 
 def _probe_global_sum(values):
@@ -226,6 +240,8 @@ def _probe_loss(name):
 
 
 def _probe_training(values):
+    import jax
+
     ev = {"update": form.evidence(values.get("update")),
           "params_trained": _params_evidence(values.get("params_trained"))}
     fn = values.get("update")
@@ -239,7 +255,33 @@ def _probe_training(values):
                 _put(xs, mesh, "batch"), _put(ys, mesh, "batch"))
         ev["fresh"] = {"xs": xs, "ys": ys, "w": float(w), "b": float(b), **_run(fn, *args),
                        **_trace(fn, *args)}
+        try:
+            ev["fresh"]["loss_origin"] = _output_origin(jax.make_jaxpr(fn)(*args))
+        except Exception as exc:
+            ev["fresh"]["loss_origin"] = {"from": "untraceable", "error": _error(exc)}
     return ev
+
+
+def _output_origin(closed, index=-1):
+    """Where the traced program computes its output ``index`` (the last: `update`'s loss), seen
+    through jit wrappers: the primitive of the equation that makes it, and for a shard_map the
+    out_specs entry of that output. A gradient's residuals leave a shard_map split over the
+    devices too, so the loss's own origin is what tells a loss averaged outside (found blind)."""
+    jaxpr = closed.jaxpr
+    var = jaxpr.outvars[index]
+    while True:
+        found = [(eqn, i) for eqn in jaxpr.eqns for i, v in enumerate(eqn.outvars) if v is var]
+        if not found:
+            return {"from": "an input or a constant"}
+        eqn, i = found[0]
+        if eqn.primitive.name in ("jit", "pjit") and hasattr(eqn.params.get("jaxpr"), "jaxpr"):
+            jaxpr = eqn.params["jaxpr"].jaxpr
+            var = jaxpr.outvars[i]
+            continue
+        origin = {"from": eqn.primitive.name}
+        if eqn.primitive.name == "shard_map":
+            origin["spec"] = [form._spec_entry(e) for e in eqn.params["out_specs"][i]]
+        return origin
 
 
 # --------------------------------------------------------------------------- references
@@ -438,12 +480,25 @@ def _body(fresh):
 
 
 def _one_scalar_collective(name, fresh, words):
+    """One collective in the shard_map, of one number per device (a 0-d array, or a 1-element
+    one such as a sum taken with keepdims=True, found blind)."""
     moves = [(prim, shapes) for prim, shapes in _body(fresh) if prim in COMMUNICATION]
-    if len(moves) != 1 or moves[0][1] != [[]]:
+    if len(moves) != 1 or len(moves[0][1]) != 1 or int(np.prod(moves[0][1][0])) != 1:
         found = ", ".join(f"`{p}` of an array of shape {tuple(s[0]) if s else ()}"
                           for p, s in moves) or "none"
         _fail(f"`{name}` communicates {len(moves)} time(s) inside its shard_map ({found}); "
               f"expected what the task says: {words}.")
+
+
+def _on_mesh_axis(name, fresh, axis, mesh_name):
+    """Every shard_map of the program runs on a 1-D mesh whose axis is ``axis`` (the task names
+    the mesh ``mesh_name``): the notebook's other meshes hold the same 8 devices, and on Auto
+    axes the inputs are laid out again silently, so only the program shows it (found blind)."""
+    for sm in fresh["program"]["shard_maps"]:
+        if sm["axis_names"] != [axis]:
+            axes = ", ".join(repr(a) for a in sm["axis_names"])
+            _fail(f"`{name}` runs jax.shard_map on a mesh whose axis is {axes}; expected what "
+                  f"the task says: jax.shard_map on `{mesh_name}`, whose axis is '{axis}'.")
 
 
 def _jitted(name, fresh):
@@ -529,11 +584,12 @@ def _q2(ev):
     out = fresh["output"]
     _method("global_sum", fresh, required=("psum",), forbidden=("all_gather",),
             why=": each device sums its own block, then one psum adds the partial sums")
+    _on_mesh_axis("global_sum", fresh, "i", "mesh")
     _on_8_devices("global_sum(x)", out, (), "replicated")
     _operand_layout("global_sum", fresh["program"], fresh["x"].shape, "x", 0,
                     "x is sharded over `mesh` (spec P('i'))")
     _one_scalar_collective("global_sum", fresh, "each device sums its own block, and one "
-                           "collective adds up the eight partial sums (scalars)")
+                           "collective adds up the eight partial sums (one number per device)")
 
 
 MATMUL_LAYOUTS = {  # lhs layout in words: (dimension of lhs split, spec)
@@ -576,6 +632,7 @@ def _matmul_verdict(question):
         _array_out(call, fresh["output"], expected.shape)
         _close(call, fresh["output"]["value"], expected, what)
         _method(name, fresh, required=required, forbidden=forbidden, why=why)
+        _on_mesh_axis(name, fresh, "i", "mesh")
         _on_8_devices(call, fresh["output"], ("axis", None),
                       "the result sharded by rows (out_specs=P('i', None))")
         dim, spec = MATMUL_LAYOUTS[lhs_words]
@@ -594,6 +651,8 @@ def _matmul_verdict(question):
     return verdict_fn
 
 
+LOSS_MESHES = {"q7_loss_dp": ("batch", "mesh_batch"), "q8_loss_fsdp": ("batch", "mesh_batch"),
+               "q9_loss_tp": ("feats", "mesh_feats")}
 LOSSES = {  # question: (function, required, forbidden, why)
     "q7_loss_dp": ("loss_dp", ("psum",), ("all_gather",),
                    ": each device computes the loss of its part of the batch with the full "
@@ -661,6 +720,7 @@ def _loss_verdict(question):
         for record in [fresh, *fresh.get("more", ())]:
             _loss_values(name, record)
         _method(name, fresh, required=required, forbidden=forbidden, why=why)
+        _on_mesh_axis(name, fresh, *LOSS_MESHES[question])
         LOSS_METHODS[question](name, fresh)
     return verdict_fn
 
@@ -688,6 +748,10 @@ def _fsdp_method(name, fresh):
     for shape in WEIGHTS + BIASES:
         _operand_layout(name, fresh["program"], shape, "a parameter", 0,
                         "every W and b is sharded along its first axis (P('batch'))")
+    if re.search(r"\ball_gather(?:_invariant)?\[[^\]]*?\btiled=False", fresh["jaxpr"]):
+        _fail(f"`{name}` gathers with jax.lax.all_gather(..., tiled=False), which stacks the "
+              "devices' blocks along a new axis; expected what the task says: gather each W and "
+              "b with jax.lax.all_gather(..., tiled=True), which concatenates them.")
     gathered = products = 0
     for prim, _ in _body(fresh):
         if prim in COLLECTIVES["all_gather"]:
@@ -761,11 +825,11 @@ def _q10(ev):
     ref_step = np.array([ref_w - w, ref_b - b])
     if np.allclose(step, N_DEVICES * ref_step, rtol=GRAD_RTOL, atol=1e-7):
         _fail(f"`{call}` takes a step {N_DEVICES} times too large: its gradient is "
-              f"{N_DEVICES}x the true one. Inside jax.shard_map (JAX 0.6.1 and later), "
-              "jax.grad with respect to replicated params already sums the per-device "
-              "gradients, so the pmap recipe 'pmean the grads' multiplies them by the number "
-              "of devices. Take the gradient of jax.lax.pmean(loss, axis) instead, or do not "
-              "average the gradients again.")
+              f"{N_DEVICES}x the true one. Inside jax.shard_map (with its default "
+              "check_vma=True), jax.grad with respect to replicated params already sums the "
+              "per-device gradients, so the pmap recipe 'pmean the grads' multiplies them by "
+              "the number of devices. Take the gradient of jax.lax.pmean(loss, axis) instead, "
+              "or do not average the gradients again.")
     _close(f"{call}[0]", step, ref_step, f"a step of -{LEARNING_RATE} × the gradient of the "
            "mean squared error over the whole (new) batch, as on one device",
            rtol=GRAD_RTOL, atol=1e-7)
@@ -781,6 +845,16 @@ def _q10(ev):
         _on_8_devices(f"{call}[1]", loss_ev, (), "replicated (out_specs=P())")
     _method("update", fresh, required=("psum",), forbidden=("jax.pmap",),
             why=": average over the devices inside jax.shard_map, not with jax.pmap")
+    _on_mesh_axis("update", fresh, "batch", "mesh_dp")
+    origin = fresh.get("loss_origin", {})
+    if origin.get("from") != "shard_map" or form.split_dims(origin.get("spec", [])):
+        where = (f"jax.shard_map returns it split over the devices (out_specs "
+                 f"{form.spec_repr(origin['spec'])})" if origin.get("from") == "shard_map" else
+                 f"it is computed outside jax.shard_map (by `{origin.get('from')}`)")
+        _fail(f"`update` returns a loss that no jax.shard_map returns replicated: {where}; "
+              "expected what the task says: (new_params, loss) both replicated "
+              "(out_specs=(P(), P())), the loss averaged over the devices inside the shard_map "
+              "(jax.lax.pmean).")
     _operand_layout("update", fresh["program"], fresh["xs"].shape, "xs or ys", 0,
                     "xs and ys are sharded along the batch axis (P('batch'))")
     _jitted("update", fresh)
