@@ -113,7 +113,9 @@ def test_arrays_of_every_dtype_the_labs_use_reach_the_grader_intact(tmp_path, me
         assert got.dtype == jnp.dtype(dtype) and got.shape == values.shape
         np.testing.assert_array_equal(got.astype(np.float64), values.astype(np.float64))
         assert back["a"]["dtype"] == dtype
-    assert form.load_evidence(tmp_path / "ev.json")["scalar"].dtype == jnp.dtype(dtype)
+    scalar = form.load_evidence(tmp_path / "ev.json")["scalar"]
+    assert scalar.dtype == jnp.dtype(dtype) and scalar.shape == ()  # a loss stays 0-d
+    assert float(scalar) == float(np.asarray(values)[1])
 
 
 def test_an_unknown_dtype_name_in_the_evidence_is_refused(tmp_path):

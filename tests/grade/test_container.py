@@ -60,7 +60,7 @@ CASES = {  # name -> (expected scores, words in the status)
 }
 
 
-def run_container(zip_path, notebook, root):
+def run_container(zip_path, notebook, root, timeout=300):
     """One container run: /autograder's layout in ``root``, the zip's run_otter.py on it."""
     for sub in ("source", "submission", "results"):
         (root / sub).mkdir(parents=True)
@@ -68,7 +68,7 @@ def run_container(zip_path, notebook, root):
         zf.extractall(root / "source")
     shutil.copy(notebook, root / "submission" / notebook.name)
     run = subprocess.run([sys.executable, str(root / "source" / "run_otter.py"), str(root)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=timeout)
     results = root / "results" / "results.json"
     assert results.exists(), run.stdout[-2000:] + run.stderr[-2000:]
     return json.loads(results.read_text()), root / "results" / "results.pkl"
@@ -135,59 +135,59 @@ def test_honest_results_json_matches_otter_run(graded, lab, tmp_path):
     assert shape(ours) == shape(theirs)
 
 
-# A Lab 4 submission with three wrong answers (from its answer corpus), graded through the
-# released zip's entry point with the release's Gradescope setting and with the publish-later
-# one an instructor may choose (README, "Gradescope settings").
+# What students see on Gradescope. The release's setting, read from the results.json the released
+# Lab 4 zip writes for a notebook with three wrong answers (from its answer corpus); the
+# publish-later setting an instructor may choose (README, "What students see on Gradescope"),
+# on the fixture's zip with that otter_config.json.
 MISTAKES = {"q7_loss_dp": "psum_of_means", "q2_global_sum": "pmean_of_block_sums",
             "q3_matmul_allgather": "no_collective_local_product"}
-VISIBILITY = {"release default": (None, "visible"),
-              "publish later": ({"show_all_public": False}, "after_published")}
 
 
-@pytest.fixture(scope="module")
-def lab4_with_mistakes(tmp_path_factory):
+def _with_config(zip_path, dest, config):
+    with zipfile.ZipFile(zip_path) as zf:
+        entries = {n: zf.read(n) for n in zf.namelist()}
+    entries["otter_config.json"] = json.dumps(
+        {**json.loads(entries.get("otter_config.json", b"{}")), **config}).encode()
+    with zipfile.ZipFile(dest, "w") as zf:
+        for n, data in entries.items():
+            zf.writestr(n, data)
+    return dest
+
+
+def test_each_lost_question_shows_its_reason_at_submission_by_default(tmp_path):
+    import nbformat
+
     from jaxlab import corpus
 
     lab = "lab4-shard-map"
-    base = tmp_path_factory.mktemp("visibility")
     by_id = {a.id: a for a in corpus.load_answers(lab)}
     answers = [by_id[f"{lab}/{q}/wrong/{name}"] for q, name in MISTAKES.items()]
-    notebook = base / f"{lab}.ipynb"
-    import nbformat
-
+    notebook = tmp_path / f"{lab}.ipynb"
     nbformat.write(corpus.Release(lab).notebook_with(answers), notebook)
-    runs = {}
-    for setting, (config, _) in VISIBILITY.items():
-        zip_path = base / f"{setting.replace(' ', '-')}.zip"
-        shutil.copy(corpus.Release(lab).autograder, zip_path)
-        if config:  # what the master's `generate:` keys would have written
-            with zipfile.ZipFile(zip_path) as zf:
-                entries = {n: zf.read(n) for n in zf.namelist()}
-            written = json.loads(entries["otter_config.json"])
-            entries["otter_config.json"] = json.dumps({**written, **config}).encode()
-            with zipfile.ZipFile(zip_path, "w") as zf:
-                for n, data in entries.items():
-                    zf.writestr(n, data)
-        runs[setting] = (zip_path, base / setting.replace(" ", "-"))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = {s: pool.submit(run_container, z, notebook, root)
-                   for s, (z, root) in runs.items()}
-        return answers, {s: f.result()[0] for s, f in futures.items()}
-
-
-@pytest.mark.parametrize("setting", list(VISIBILITY))
-def test_each_lost_question_shows_its_reason_on_gradescope(lab4_with_mistakes, setting):
-    """Read from the results.json the zip writes: every question's result carries the checks'
-    message, at submission by default (Gradescope's "visible") or once grades are published."""
-    answers, results = lab4_with_mistakes
-    _, visibility = VISIBILITY[setting]
-    tests = {t["name"]: t for t in results[setting]["tests"]}
+    results, _ = run_container(corpus.Release(lab).autograder, notebook, tmp_path / "ag",
+                               timeout=900)
+    tests = {t["name"]: t for t in results["tests"]}
     for a in answers:
         test = tests[a.question]
-        assert test["score"] == 0 and test["visibility"] == visibility, test
+        assert test["score"] == 0 and test["visibility"] == "visible", test
         assert a.message in test["output"], (a.id, test["output"])
         assert "Traceback" not in test["output"]
     kept = [t for name, t in tests.items() if "max_score" in t and name not in MISTAKES]
-    assert kept and all(t["score"] == t["max_score"] for t in kept)
-    assert all(t["visibility"] == visibility for t in kept)
+    assert kept and all(t["score"] == t["max_score"] and t["visibility"] == "visible"
+                        for t in kept)
+    assert tests["Public Tests"]["visibility"] == "visible"
+
+
+def test_publish_later_shows_each_reason_once_grades_are_published(lab, tmp_path_factory):
+    base = tmp_path_factory.mktemp("publish-later")
+    write_stable_zip(lab.autograder, base / "engine.zip", extra=engine_entries())
+    zip_path = _with_config(base / "engine.zip", base / "later.zip",
+                            {"show_hidden": True, "show_all_public": False})
+    made = submissions(lab, base / "subs")
+    results, _ = run_container(zip_path, made["wrong.ipynb"][0], base / "ag")
+    tests = {t["name"]: t for t in results["tests"]}
+    assert {q: tests[q]["score"] for q in POINTS} == NONE
+    for q, name in {"q1": "y", "q2": "double", "q3": "y_mean"}.items():
+        assert tests[q]["visibility"] == "after_published"
+        assert f"`{name}" in tests[q]["output"].split(f"{q} - 2 result:")[1], tests[q]["output"]
     assert tests["Public Tests"]["visibility"] == "visible"

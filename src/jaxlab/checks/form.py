@@ -232,7 +232,8 @@ def _encode(ev):
         if isinstance(node, np.ndarray):
             key = f"a{len(arrays)}"
             if _is_extension(node.dtype):  # stored as its bits, with the dtype's name
-                arrays[key] = np.ascontiguousarray(node).view(f"u{node.dtype.itemsize}")
+                # (np.array keeps a 0-d array 0-d; ascontiguousarray made a bfloat16 loss 1-d)
+                arrays[key] = np.array(node, order="C").view(f"u{node.dtype.itemsize}")
                 return {"__array__": key, "dtype": node.dtype.name}
             arrays[key] = node
             return {"__array__": key}

@@ -120,8 +120,17 @@ def _jaxlab_claim():
     claim = {{}}
     try:
         tf = create_test_file({test!r}, NBMetadataConfig())
-        tf.run(globals())
-        claim["cases"] = [[bool(r.passed), str(r.message or "")[:4000]] for r in tf.test_case_results]
+        cases, done = list(tf.test_cases), {{}}
+        # the cases holding points first; for a question the jaxlab checks judge, the 0-point
+        # (public) cases only where one of those failed: where they pass, so does the trusted
+        # verdict, which then decides the public cases too (judge.score)
+        for part in ([c for c in cases if c.points], [c for c in cases if not c.points]):
+            if part and not ({judged!r} and done and all(r[0] for r in done.values())):
+                tf.test_cases = part
+                tf.run(globals())
+                done.update((id(r.test_case), [bool(r.passed), str(r.message or "")[:4000]])
+                            for r in tf.test_case_results)
+        claim["cases"] = [done.get(id(c)) for c in cases]
     except BaseException as exc:
         claim["error"] = f"{{type(exc).__name__}}: {{exc}}"
     with open({path!r}, "w") as f:
@@ -137,10 +146,12 @@ def probe_cells(questions, module, private, layout):
                               path=str(layout.probe(q))) for q in questions]
 
 
-def claim_cells(tests, private, layout):
-    """Cells running otter's own tests in the kernel, for the questions in ``tests``."""
+def claim_cells(tests, private, layout, judged=()):
+    """Cells running otter's own tests in the kernel, for the questions in ``tests``; for those
+    in ``judged`` (a jaxlab verdict decides them) the public cases only where a pointed one
+    fails."""
     return [CLAIM_CELL.format(private=str(private), test=str(test),
-                              path=str(layout.claim(q)))
+                              path=str(layout.claim(q)), judged=q in judged)
             for q, test in tests.items()]
 
 

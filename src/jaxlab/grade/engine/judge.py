@@ -82,6 +82,9 @@ def score(autograder, decided, layout, no_answers_reason=None):
                 # no claim is gathered for a question the verdict passes, and every verdict
                 # checks the form its public cases check
                 results.append(TestCaseResult(tc, None, True))
+            elif any(claim):  # the kernel's own run of the pointed case passed: left unrun
+                results.append(TestCaseResult(tc, "not run: this question's own check "
+                                              "decided it", False))
             else:
                 results.append(TestCaseResult(tc, no_answers_reason or "the test did not run",
                                               False))
@@ -97,9 +100,10 @@ def score(autograder, decided, layout, no_answers_reason=None):
 
 
 def _read_claim(path):
+    """[(passed, message) or None where the kernel left the case unrun] of a claim file."""
     try:
         claim = json.loads(path.read_text())
-        return [(c[0] is True, str(c[1])) for c in claim.get("cases", [])]
+        return [None if c is None else (c[0] is True, str(c[1])) for c in claim.get("cases", [])]
     except Exception:
         return []
 

@@ -217,7 +217,9 @@ class Worker:
                 clock.lap("probe")
                 if self.s.claims_first:  # 5. now, for every question (Settings.claims_first)
                     if session.alive:
-                        session.run(claim_cells(tests, private, layout))
+                        session.run(claim_cells(tests, private, layout,
+                                                set(self.checks.QUESTIONS) if self.checks
+                                                else ()))
                     clock.lap("claims")
                 else:
                     # 4. the trusted verdicts, once
@@ -228,7 +230,7 @@ class Worker:
                     failing = {q: t for q, t in tests.items()
                                if q not in decided or not decided[q].passed}
                     if session.alive:
-                        session.run(claim_cells(failing, private, layout))
+                        session.run(claim_cells(failing, private, layout, set(decided)))
                     clock.lap("claims")
             if self.s.claims_first:  # 4. with the kernel gone
                 kernel.kill()
