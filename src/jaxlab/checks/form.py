@@ -707,10 +707,12 @@ def call(what, fn, *args):
     import jax
 
     try:
-        return jax.block_until_ready(fn(*args))
+        result = fn(*args)
+        jax.block_until_ready(result)  # (Lab 3 Task 9 asks students for the one-line form)
     except Exception as exc:
         fail(f"`{what}` raised {student_error(exc)}; it should work on the notebook's own "
              "inputs, laid out as the task describes.")
+    return result
 
 
 def traced(name, fn, *args):
