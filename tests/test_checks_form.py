@@ -159,22 +159,28 @@ def test_otters_test_judges_the_graders_probe_instead_of_probing_again(tmp_path)
         calls.append(1)
         return {"x": form.evidence(values["x"])}
 
-    questions = {"q": form.question("x", lambda ev: judged.append(ev["x"]["value"]), probe)}
+    # x is graded; inputs is the notebook's own, read by the public check only (the hidden test
+    # passes x alone)
+    questions = {"q": form.question("x inputs", lambda ev: judged.append(ev["x"]["value"]),
+                                    probe)}
     probe_q, _, check = form.entry_points(questions)
     shell = InteractiveShell.instance()
     try:
-        x, other = np.arange(3.0), np.arange(3.0)
-        form.dump_evidence({"evidence": probe_q("q", {"x": x})}, tmp_path / "ev.json")
-        form.remember_probe("q", [x], tmp_path / "ev.json")
+        x, other, inputs = np.arange(3.0), np.arange(3.0), np.ones(2)
+        form.dump_evidence({"evidence": probe_q("q", {"x": x, "inputs": inputs})},
+                           tmp_path / "ev.json")
+        form.remember_probe("q", [x, inputs], tmp_path / "ev.json")
         check("q", x=x)
         assert len(calls) == 1 and len(judged) == 1  # judged from the file, not probed again
         check("q", x=other)  # another object: probed afresh
         assert len(calls) == 2 and len(judged) == 2
+        check("q", x=x, inputs=np.ones(2))  # another input object: probed afresh
+        assert len(calls) == 3 and len(judged) == 3
     finally:
         shell.__dict__.pop("_jaxlab_probed", None)
         InteractiveShell.clear_instance()
     check("q", x=x)  # outside a kernel: always probes
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 def test_public_check_helpers_speak_the_hidden_checks_words(mesh):

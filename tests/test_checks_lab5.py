@@ -271,6 +271,24 @@ def test_q6_names_a_wrong_value_before_its_type():
         lab5.verdict("q6_bubble", ev)
 
 
+def test_q6_stops_a_loop_that_never_ends_and_says_so(monkeypatch):
+    """A count that never moves used to hang the probe until the grader's time limit (8 mutants
+    killed only by a limit); the call is now stopped and the rest not made."""
+    monkeypatch.setattr(lab5, "CALL_SECONDS", 1)
+
+    def never(L, b):
+        M = 1
+        while right_bubble(L, M) >= b:
+            M += 0
+        return M
+
+    ev = lab5.probe("q6_bubble", {"bubble_fraction": right_bubble, "microbatches_needed": never})
+    assert len(ev["fresh"]["needed"]) == 1  # the first call stopped, the rest never made
+    with pytest.raises(AssertionError, match=r"`microbatches_needed\(8, 0.1\)` did not return "
+                                             r"within 1 s: a loop that never ends"):
+        lab5.verdict("q6_bubble", ev)
+
+
 # --------------------------------------------------------------------------- part C
 def route(tokens, router_weights, capacity, first_slot=0):
     probs = jax.nn.softmax(tokens @ router_weights, axis=-1)

@@ -20,7 +20,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from labs import release_paths
+from labs import ROOT, release_paths
 from jaxlab.checks import form, lab6
 
 RNG = np.random.default_rng(20261125)
@@ -283,3 +283,47 @@ def test_the_state_must_live_on_mesh_data_itself():
     assert lab6._on_mesh_data([jax.device_put(W, NamedSharding(explicit, P("data")))]) == [True]
     assert lab6._on_mesh_data([jax.device_put(W, NamedSharding(auto, P("data"))), W]) == \
         [False, False]
+
+
+# --------------------------------------------------------------------------- docs/claims.md
+def _claims():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "claims_lab6", ROOT / "tests" / "claims" / "lab6-memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CLAIMS
+
+
+@pytest.mark.parametrize("claim, printed", [
+    # what the text said before the audit, printed as the measuring cell would print it
+    ("lab6-layer-residuals", "f32[4,4] from the argument W\nf32[2,4] from the argument x\n"
+                             "f32[2,4] output of tanh from <cell>:2:11 (layer)\n"
+                             "    e:f32[2,4] = sub 1.0:f32[] b\n"),
+    ("lab6-block-remat-flops", "store everything            f32[12,32,64]   1.08    6.33\n"
+                               "jax.checkpoint, no policy   f32[12,32,64]   0.30    8.43\n"
+                               "one product of a block, (32, 64) @ (64, 256): 1.05 MFLOPs\n"),
+    ("lab6-mask-order", "mask -inf, the seen block first: l = nan\n"
+                        "mask -inf, the masked block first: l = nan\n"
+                        "mask -1e+30, the seen block first: l = 1.2231\n"
+                        "mask -1e+30, the masked block first: l = 1.2231\nexact: l = 1.2231\n"),
+    ("lab6-auto-product-choice",
+     "A (512, 1024), C (512, 64): [('f32[512,64]', 'all-reduce')]; an all-gather of A would "
+     "send 1.750 MiB, an all-reduce of C 0.219 MiB\n"
+     "A (512, 64), C (512, 1024): [('f32[512,64]', 'all-gather')]; an all-gather of A would "
+     "send 0.109 MiB, an all-reduce of C 3.500 MiB\n"
+     "A (512, 256), C (512, 192): [('f32[512,256]', 'all-gather')]; an all-gather of A would "
+     "send 0.438 MiB, an all-reduce of C 0.656 MiB\n"),
+    ("lab6-ring-sync-on-cpu", "collective-permute in the compiled program: 0  as -start/-done "
+                              "pairs: 2\n"),
+    ("lab6-zero-memory-communication",
+     "ZeRO:       arguments  0.80 MiB per device, temporary 10.00 MiB, collectives "
+     "[('f32[1024,512]', 'all-gather'), ('f32[1024,512]', 'all-gather'), ('f32[128,512]', "
+     "'reduce-scatter')], MiB sent [1.75, 1.75, 1.75] = 5.250\n"
+     "replicated: arguments  6.05 MiB per device, temporary  2.00 MiB, collectives "
+     "[('f32[512,1024]', 'all-reduce')], MiB sent [3.5] = 3.500\n"),
+])
+def test_claim_checks_reject_what_the_text_used_to_say(claim, printed):
+    with pytest.raises(AssertionError):
+        _claims()[claim](printed)

@@ -57,11 +57,12 @@ WELL_FORMED_WRONG = {
                      next(a["code"] for a in yaml.safe_load(
                          (ROOT / "tests/answers/lab5-scaling/q9_multi_process.yaml").read_text()
                      )["wrong"] if a["name"] == "hard_coded_share")),
-    # the plain scan: right numbers, every residual stored
-    "lab6-memory": ("q1_remat_scan", {"q1_remat_scan"},
+    # a search for the critical batch with a strict comparison: right on the notebook's chips
+    # (the public check), wrong where compute and memory times tie exactly (the hidden check)
+    "lab6-memory": ("q9_roofline", {"q9_roofline"},
                     next(a["code"] for a in yaml.safe_load(
-                        (ROOT / "tests/answers/lab6-memory/q1_remat_scan.yaml").read_text()
-                    )["wrong"] if a["name"] == "no_checkpoint")),
+                        (ROOT / "tests/answers/lab6-memory/q9_roofline.yaml").read_text()
+                    )["wrong"] if a["name"] == "strict_comparison_in_a_search")),
     # the forward pass's FLOPs only, not the training step's 3x
     "lab7-transformer": ("q8_step_flops", {"q8_step_flops"},
                          "def step_flops(cfg, batch, seq):\n"
@@ -69,6 +70,14 @@ WELL_FORMED_WRONG = {
                          "    per_layer = 2 * batch * seq * (4 * D * D + 2 * D * F) "
                          "+ 4 * batch * seq * seq * D\n"
                          "    return L * per_layer + 2 * batch * seq * D * V\n"),
+}
+# Wrong answers added to the same download, each with the questions it costs and words its
+# message must hold: Lab 7 q5's loss handed back in bfloat16 crosses from the kernel to the
+# trusted check as evidence (jaxlab grade), where a bfloat16 array once arrived as raw bytes,
+# failed with "could not convert string to float: b'j@'" and was reported as tampering.
+EXTRA_WRONG = {
+    "lab7-transformer": [("q5_mixed_precision", "loss_returned_in_bfloat16",
+                          {"q5_mixed_precision"}, "bfloat16")],
 }
 SAMPLES_LAB = "lab3-parallelism"
 SAMPLES = {  # file -> (question, correct or wrong, corpus answer)
@@ -98,10 +107,14 @@ def _questions(lab):
 
 def _colab_download_with_one_wrong_answer(lab):
     question, _, code = WELL_FORMED_WRONG[lab]
+    by_id = {a.id: a for a in harness.load_answers(lab)}
+    answers = [(question, code)] + [
+        (q, by_id[f"{lab}/{q}/wrong/{name}"].code) for q, name, _, _ in EXTRA_WRONG.get(lab, ())]
     nb = colab.colabify(colab.read(release_paths(lab)["solution"]))
-    check = next(i for i, c in enumerate(nb.cells)
-                 if c.source.strip() == f'grader.check("{question}")')
-    nb.cells[check - 1].source = colab.ANSWER_MARK + "\n" + code
+    for q, answer in answers:
+        check = next(i for i, c in enumerate(nb.cells)
+                     if c.source.strip() == f'grader.check("{q}")')
+        nb.cells[check - 1].source = colab.ANSWER_MARK + "\n" + answer
     return nb
 
 
@@ -136,6 +149,7 @@ def graded_paths(request, tmp_path_factory, graded):
     points = dict(open_autograder(zip_path, tmp / "autograder").points)
     expected = {}
     _, lose, _ = WELL_FORMED_WRONG[lab]
+    lose = set(lose).union(*(extra[2] for extra in EXTRA_WRONG.get(lab, ())))
     download = f"{lab} (1).ipynb"
     nbformat.write(_colab_download_with_one_wrong_answer(lab), subs / download)
     expected[download] = {q: 0.0 if q in lose else p for q, p in points.items()}
@@ -190,6 +204,16 @@ def test_jaxlab_grade_scores_each_submission_as_otter_run_and_as_expected(graded
         if file in g.otter:
             theirs = {q: s for q, (s, _) in release.question_scores(g.otter[file]).items()}
             assert got == theirs, file
+
+
+def test_an_extra_wrong_answer_loses_its_question_with_its_reason_not_as_tampering(graded_paths):
+    g = graded_paths
+    download = f"{g.lab} (1).ipynb"
+    for question, _, _, words in EXTRA_WRONG.get(g.lab, ()):
+        results = json.loads((g.out / "gradescope-results" / f"{g.lab} (1).json").read_text())
+        (test,) = [t for t in results["tests"] if t["name"] == question]
+        assert test["score"] == 0 and words in test["output"], test["output"]
+        assert "GRADER ERROR" not in g.df.loc[download, "grading_status"]
 
 
 def test_blank_notebook_gets_a_readable_message_per_question(graded_paths):

@@ -1470,18 +1470,43 @@ points: 0
 """ # END TEST CONFIG
 def test_q6_public(bubble_fraction, microbatches_needed):
     import math
+    import signal
+    import threading
 
     import jaxlab_form as form
 
     def fail(message):
         raise AssertionError(message)
 
+    class NoReturn(Exception):
+        pass
+
+    def call_with_limit(fn, args, seconds=10):  # a call takes microseconds: more is a loop
+        if not hasattr(signal, "setitimer") or \
+                threading.current_thread() is not threading.main_thread():
+            return fn(*args)
+
+        def stop(signum, frame):
+            raise NoReturn
+
+        previous = signal.signal(signal.SIGALRM, stop)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return fn(*args)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
     def number(call, fn, args, integer=False):
         """(value, what is wrong with its type or None): the type is named only once the
         value is right (a 32-bit float holds about 7 digits)."""
         wanted = "an int" if integer else "a float"
         try:
-            ev = form.evidence(fn(*args))
+            ev = form.evidence(call_with_limit(fn, args))
+        except NoReturn:
+            fail(f"`{call}` did not return within 10 s: a loop that never ends (a count that "
+                 "never moves, or a fraction that never falls below the bound); expected "
+                 f"{wanted} at once.")
         except Exception as exc:
             fail(f"`{call}` raised {form.student_error(exc)}; it should return {wanted}.")
         exact = ("int", "float", "float64", "int8", "int16", "int32", "int64", "uint8",

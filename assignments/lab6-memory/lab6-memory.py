@@ -953,13 +953,14 @@ def test_q3_public(adam_update, reg_W, reg_batches, regression_loss, LR, B1, B2,
                           "tuple (new_param, new_m, new_v).")
             expected = (W0 - t * lr * g / (np.abs(g) + eps), (1 - b1 ** t) * g,
                         (1 - b2 ** t) * g ** 2)
-            words = (f"after {t} step(s) from zero moments with the same gradient g every step "
-                     f"({how})")
-            for item, ref, what, atol in zip(out, expected, ("new_param", "new_m", "new_v"),
-                                             (ATOL, MOMENT_ATOL, MOMENT_ATOL)):
+            words = (f"after {t} step(s) from zero moments with the same gradient g at every "
+                     f"step ({how}), where the bias corrections make m_hat = g and v_hat = g**2")
+            for item, ref, what, atol, formula in zip(
+                    out, expected, ("new_param", "new_m", "new_v"),
+                    (ATOL, MOMENT_ATOL, MOMENT_ATOL),
+                    ("param - t·lr·g/(|g| + eps)", "(1 - b1**t)·g", "(1 - b2**t)·g**2")):
                 form.expect_close(f"the {what} of `{call}`", item, ref,
-                                  f"Adam's {what} {words}: param - t·lr·g/(|g| + eps), "
-                                  "(1 - b1**t)·g and (1 - b2**t)·g**2", rtol=RTOL, atol=atol)
+                                  f"Adam's {what} {words}: {formula}", rtol=RTOL, atol=atol)
             state = tuple(out)
     try:
         jitted = jax.jit(lambda p, g_, m, v, t: adam_update(p, g_, m, v, t))(

@@ -1932,9 +1932,9 @@ for n in LAYER_COUNTS:
 # BEGIN SOLUTION NO PROMPT
 def step_flops(cfg, batch, seq):
     D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab, cfg.n_layers
-    tokens = batch * seq
-    per_layer = 2 * tokens * (4 * D * D + 2 * D * F) + 2 * (2 * batch * seq * seq * D)
-    return 3 * (L * per_layer + 2 * tokens * D * V)
+    n_tokens = batch * seq
+    per_layer = 2 * n_tokens * (4 * D * D + 2 * D * F) + 2 * (2 * batch * seq * seq * D)
+    return 3 * (L * per_layer + 2 * n_tokens * D * V)
 # END SOLUTION
 """ # BEGIN PROMPT
 step_flops = ...

@@ -179,15 +179,19 @@ def fsdp_memory(text):
 
 def fsdp_policy(text):
     # "In a Python loop over the layers, as here, the gathers again are in the traced program,
-    # but XLA merges them with the forward pass's ... the same all-gathers and the same scratch
-    # memory with the policy as without it. XLA does not gather again by itself either."
+    # but the compiled gradient keeps every gathered weight anyway: it needs the same scratch
+    # memory with the policy as without it. (With JAX 0.10.2, XLA even merges the gathers again
+    # with the forward pass's, so the compiled program has the same all-gathers too ...) Nor does
+    # XLA gather again by itself."
     rows = {m.group(1): tuple(map(_int, m.group(2, 3, 4))) for m in re.finditer(
         r"gradient of loss_fsdp (as written|in jax.checkpoint with the policy): (\d+) all_gather "
         r"traced, (\d+) all-gather compiled, scratch ([\d,]+) bytes", text)}
     assert len(rows) == 2, text
     plain, policy = rows["as written"], rows["in jax.checkpoint with the policy"]
-    assert policy[0] > plain[0] == plain[1] == 12, rows  # re-gathers traced, not compiled
-    assert policy[1] == plain[1] and policy[2] == plain[2], rows
+    assert policy[0] > plain[0] == plain[1] == 12, rows  # re-gathers traced; none by itself
+    assert abs(policy[2] - plain[2]) <= 0.01 * plain[2], rows  # the same scratch (JAX 0.12: -0.1%)
+    if re.search(r"^JAX 0\.10\.", text, re.M):
+        assert policy[1] == plain[1], rows  # merged with the forward pass's gathers
 
 
 def fsdp_scan_policy(text):

@@ -175,7 +175,7 @@ def entry_points(questions):
 
     def check(question, **values):
         names = questions[question].names
-        ev = probed(question, [values.get(n) for n in names])
+        ev = probed(question, values, names)
         verdict(question, transported(probe(question, values)) if ev is None else ev)
 
     return probe, verdict, check
@@ -193,11 +193,14 @@ def remember_probe(question, values, path):
             ([id(v) for v in values], str(path))
 
 
-def probed(question, values):
-    """The evidence ``remember_probe`` kept for ``question`` when ``values`` are the objects it
-    was probed from (as the grader received it), else None."""
+def probed(question, values, names):
+    """The evidence ``remember_probe`` kept for ``question`` when ``values`` (name -> object)
+    are the objects it was probed from (as the grader received it), else None. The hidden test
+    passes the graded names only; a question's names may add the notebook's own inputs that its
+    public check reads, which the probe received and nobody reassigns."""
     ids, path = getattr(_shell(), "_jaxlab_probed", {}).get(question, (None, None))
-    if ids != [id(v) for v in values]:
+    if ids is None or len(ids) != len(names) or not any(n in values for n in names) or any(
+            id(values[n]) != i for n, i in zip(names, ids) if n in values):
         return None
     try:
         return load_evidence(path)["evidence"]

@@ -469,6 +469,9 @@ def _method(name, fresh, required=(), forbidden=(), shard_map=True, why=""):
                   f"`jax.lax.{collective}`; this task asks you to use it{why}.")
 
 
+# the jax.lax function a student wrote, for the primitive it traces to (messages name the former)
+LAX_NAMES = {"psum_invariant": "psum", "psum2": "psum", "all_gather_invariant": "all_gather",
+             "reduce_scatter": "psum_scatter"}
 # primitives that move data between devices (pvary, which check_vma inserts, moves nothing)
 COMMUNICATION = ("psum", "psum_invariant", "psum2", "all_gather", "all_gather_invariant",
                  "reduce_scatter", "ppermute", "all_to_all", "pmax", "pmin")
@@ -484,8 +487,8 @@ def _one_scalar_collective(name, fresh, words):
     one such as a sum taken with keepdims=True, found blind)."""
     moves = [(prim, shapes) for prim, shapes in _body(fresh) if prim in COMMUNICATION]
     if len(moves) != 1 or len(moves[0][1]) != 1 or int(np.prod(moves[0][1][0])) != 1:
-        found = ", ".join(f"`{p}` of an array of shape {tuple(s[0]) if s else ()}"
-                          for p, s in moves) or "none"
+        found = ", ".join(f"`{LAX_NAMES.get(p, p)}` of an array of shape "
+                          f"{tuple(s[0]) if s else ()}" for p, s in moves) or "none"
         _fail(f"`{name}` communicates {len(moves)} time(s) inside its shard_map ({found}); "
               f"expected what the task says: {words}.")
 
@@ -516,8 +519,13 @@ def _order(name, fresh, first, then, words):
         if prim in first:
             seen = True
         elif prim in then and not seen:
-            _fail(f"`{name}` runs `{prim}` before any `{first[0]}` in its shard_map; expected "
-                  f"what the task says: {words}.")
+            _fail(f"`{name}` runs {_in_words(prim, 'a ')} before any {_in_words(first[0])} in "
+                  f"its shard_map; expected what the task says: {words}.")
+
+
+def _in_words(prim, article=""):
+    return f"{article}matrix product" if prim == "dot_general" else \
+        f"`{LAX_NAMES.get(prim, prim)}`"
 
 
 def _array_out(call, out, shape):
@@ -877,16 +885,35 @@ def _q10(ev):
                   "the single-device result is not the output of the sharded run.")
 
 
+# the notebook's own names that a question's public check reads besides its graded ones (its
+# inputs and single-device references; no cell after the question reassigns them)
+NOTEBOOK = {
+    "q1": " convolve one_d_mesh w xs_conv",
+    "q2": " v",
+    "q3": " lhs rhs expected_product",
+    "q4": " lhs rhs expected_product",
+    "q5": " lhs_by_cols rhs expected_product",
+    "q6": " lhs_by_cols rhs expected_product",
+    "q7": " params_dp batch_dp loss_single grad_single",
+    "q8": " params_fsdp batch_fsdp loss_single grad_single",
+    "q9": " params_tp batch_tp loss_single grad_single",
+    "q10": " update_single params_init xs ys xs_sharded ys_sharded params_replicated "
+           "params_single",
+}
 QUESTIONS = {
-    "q1_vmap_collective": form.question("normalized_convolution", _q1, _probe_conv),
-    "q2_global_sum": form.question("global_sum", _q2, _probe_global_sum),
-    **{q: form.question(name, _matmul_verdict(q), _probe_matmul(name, spec))
+    "q1_vmap_collective": form.question("normalized_convolution" + NOTEBOOK["q1"], _q1,
+                                        _probe_conv),
+    "q2_global_sum": form.question("global_sum" + NOTEBOOK["q2"], _q2, _probe_global_sum),
+    **{q: form.question(name + NOTEBOOK[q.split("_")[0]], _matmul_verdict(q),
+                        _probe_matmul(name, spec))
        for q, spec in (("q3_matmul_allgather", ("i", None)), ("q4_matmul_ring", ("i", None)),
                        ("q5_matmul_reducescatter", (None, "i")),
                        ("q6_matmul_ring_reducescatter", (None, "i")))
        for name in [MATMULS[q][0]]},
-    **{q: form.question(LOSSES[q][0], _loss_verdict(q), _probe_loss(LOSSES[q][0])) for q in LOSSES},
-    "q10_dp_training": form.question("update params_trained", _q10, _probe_training),
+    **{q: form.question(LOSSES[q][0] + NOTEBOOK[q.split("_")[0]], _loss_verdict(q),
+                        _probe_loss(LOSSES[q][0])) for q in LOSSES},
+    "q10_dp_training": form.question("update params_trained" + NOTEBOOK["q10"], _q10,
+                                     _probe_training),
 }
 
 probe, verdict, check = form.entry_points(QUESTIONS)

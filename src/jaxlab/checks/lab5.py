@@ -910,19 +910,62 @@ def _probe_bubble(values):
     rng = _rng()
     fresh = {}
     if callable(bubble):
-        fresh["bubble"] = [[L, M, _value_of(bubble, L, M)]
-                           for L, M in [*BUBBLE_CASES, *_bubble_draws(rng)]]
+        fresh["bubble"] = _values_of(bubble, [*BUBBLE_CASES, *_bubble_draws(rng)])
     if callable(needed):
-        fresh["needed"] = [[L, bound, _value_of(needed, L, bound)]
-                           for L, bound in [*NEEDED_CASES, *_needed_draws(rng)]]
+        fresh["needed"] = _values_of(needed, [*NEEDED_CASES, *_needed_draws(rng)])
     ev["fresh"] = fresh
     return ev
 
 
+# A call of bubble_fraction or microbatches_needed takes microseconds (the slowest correct
+# answer of the corpus, a count of the schedule's slots in a loop, well under a second); one
+# that has not returned after CALL_SECONDS is a loop that never ends, and the calls after it
+# are not made (the verdict stops at the first wrong case anyway)
+CALL_SECONDS = 10
+
+
+class _NoReturn(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds):
+    """Raise _NoReturn in the block after ``seconds`` (main thread with SIGALRM only)."""
+    import threading
+
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not \
+            threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _NoReturn
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _values_of(fn, cases):
+    found = []
+    for args in cases:
+        value = _value_of(fn, *args)
+        found.append([*args, value])
+        if value.get("kind") == "no return":
+            break
+    return found
+
+
 def _value_of(fn, *args):
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), _time_limit(CALL_SECONDS):
             return form.evidence(fn(*args))
+    except _NoReturn:
+        return {"kind": "no return", "seconds": CALL_SECONDS}
     except Exception as exc:
         return {"kind": "error", "error": _error(exc)}
 
@@ -940,6 +983,10 @@ def _number(name, ev, integer=False):
     wanted = "an int" if integer else "a float"
     if ev["kind"] == "error":
         _fail(f"`{name}` raised {ev['error']}; it should return {wanted}.")
+    if ev["kind"] == "no return":
+        _fail(f"`{name}` did not return within {ev['seconds']:g} s: a loop that never ends (a "
+              "count that never moves, or a fraction that never falls below the bound); "
+              f"expected {wanted} at once.")
     if ev["kind"] == "number" and ev["type"] in EXACT_NUMBER_TYPES and (ev["is_int"]
                                                                         or not integer):
         return ev["value"], None

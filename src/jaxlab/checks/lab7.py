@@ -1671,24 +1671,42 @@ def _freed(probe):
     return run
 
 
+# the notebook's own names that a question's public check reads besides its graded ones (its
+# inputs and references; no cell after the question reassigns them)
+NOTEBOOK = {
+    "q1": " params",
+    "q2": " forward cfg mesh params tokens",
+    "q3": " params",
+    "q4": " loss_fn cfg mesh params tokens",
+    "q5": " loss_fn cfg params tokens",
+    "q6": " loss_fn cfg params tokens",
+    "q7": " cfg devices mesh params",
+    "q8": " loss_fn cfg params tokens",
+    "q10": " loss_fn cfg mesh params tokens",
+}
 QUESTIONS = {
     # Part A
-    "q1_tp_specs": form.question("tp_specs", _q1, _probe_specs("tp_specs")),
-    "q2_tp_forward": form.question("tp_forward", _q2, _freed(_probe_tp_forward)),
+    "q1_tp_specs": form.question("tp_specs" + NOTEBOOK["q1"], _q1, _probe_specs("tp_specs")),
+    "q2_tp_forward": form.question("tp_forward" + NOTEBOOK["q2"], _q2,
+                                   _freed(_probe_tp_forward)),
     # Part B
-    "q3_fsdp_specs": form.question("fsdp_specs", _q3, _probe_specs("fsdp_specs")),
-    "q4_fsdp_step": form.question("fsdp_loss_and_grad", _q4, _freed(_probe_fsdp)),
+    "q3_fsdp_specs": form.question("fsdp_specs" + NOTEBOOK["q3"], _q3,
+                                   _probe_specs("fsdp_specs")),
+    "q4_fsdp_step": form.question("fsdp_loss_and_grad" + NOTEBOOK["q4"], _q4,
+                                  _freed(_probe_fsdp)),
     # Part C
-    "q5_mixed_precision": form.question("mp_loss", _q5, _freed(_probe_mixed)),
-    "q6_accumulation": form.question("accumulated_loss_and_grad", _q6,
+    "q5_mixed_precision": form.question("mp_loss" + NOTEBOOK["q5"], _q5, _freed(_probe_mixed)),
+    "q6_accumulation": form.question("accumulated_loss_and_grad" + NOTEBOOK["q6"], _q6,
                                      _freed(_probe_accumulation)),
     # Part D
-    "q7_checkpoint": form.question("save_state restore_state", _q7, _freed(_probe_checkpoint)),
+    "q7_checkpoint": form.question("save_state restore_state" + NOTEBOOK["q7"], _q7,
+                                   _freed(_probe_checkpoint)),
     # Part E
-    "q8_step_flops": form.question("step_flops", _q8, _probe_flops),
+    "q8_step_flops": form.question("step_flops" + NOTEBOOK["q8"], _q8, _probe_flops),
     "q9_utilisation": form.question("time_step mfu", _q9, _probe_timing),
     # Part F
-    "q10_composed_step": form.question("composed_loss_and_grad", _q10, _freed(_probe_composed)),
+    "q10_composed_step": form.question("composed_loss_and_grad" + NOTEBOOK["q10"], _q10,
+                                       _freed(_probe_composed)),
 }
 probe, verdict, check = form.entry_points(QUESTIONS)
 JAXLAB_CHECKS = 1  # declares the probe/verdict contract `jaxlab grade` relies on
