@@ -85,9 +85,11 @@ def graded(tmp_path_factory):
 
     def verdict(answer):
         if answer.id not in cache:
-            # a blind answer replays only what its own question reads (much less for an
-            # answer whose names later cells use: Lab 7's training run, Lab 5's pipeline)
-            only = {answer.question} if answer.blind else None
+            # a blind or correct answer replays only what its own question reads (much less for
+            # an answer whose names later cells use: Lab 7's training run, Lab 5's pipeline and
+            # MoE layer); a wrong authored answer replays every later question it can cost, for
+            # test_answer_leaves_the_other_questions_as_declared
+            only = {answer.question} if answer.blind or answer.correct else None
             cache[answer.id] = harness(answer.lab).grade(answer, only=only)
         return cache[answer.id]
 

@@ -15,9 +15,13 @@ pytestmark = pytest.mark.slow  # kernels, sandboxes or services: not in make tes
 
 ANSWERS = [a for lab in harness.labs() for a in harness.load_answers(lab)]
 WRONG = [a for a in ANSWERS if not a.correct]
-# a blind answer is graded on its own question only (conftest.graded): what it does to the
-# other questions is the authored corpus's to declare
-AUTHORED = [a for a in ANSWERS if not a.blind]
+# A blind answer is graded on its own question only (conftest.graded): what it does to the
+# other questions is the authored corpus's to declare. A correct authored answer too, since
+# 2026-11-27: replaying every later question for each correct answer cost about a third of the
+# corpus's time (Lab 5's MoE and pipeline answers ~20 s each) and make test no longer fit its 65
+# minutes. What a correct alternative form does to later tasks is then untested here; the
+# wrong answers, each declared to cost only what it breaks, keep their whole replay.
+AUTHORED_WRONG = [a for a in ANSWERS if not a.blind and not a.correct]
 MIN_CORRECT, MIN_WRONG = 3, 4
 
 
@@ -73,7 +77,7 @@ def test_answer_gets_its_expected_verdict(answer, graded, record_property):
             assert answer.message in text, f"expected {answer.message!r} in:\n{text}"
 
 
-@pytest.mark.parametrize("answer", AUTHORED, ids=_ids(AUTHORED))
+@pytest.mark.parametrize("answer", AUTHORED_WRONG, ids=_ids(AUTHORED_WRONG))
 def test_answer_leaves_the_other_questions_as_declared(answer, graded):
     v = graded(answer)
     lost = sorted(q for q, (s, p) in v.scores().items()
@@ -131,7 +135,7 @@ def test_kernel_state_is_back_to_the_solution_after_the_whole_corpus(lab, graded
 # before submission, on the notebook's own inputs: the share of the lab's wrong answers whose
 # public cases fail. Labs whose public checks were written to catch mistakes are held to it.
 PUBLIC_FLAG_TARGET = 0.70
-PUBLIC_FLAG_LABS = {"lab3-parallelism"}
+PUBLIC_FLAG_LABS = {"lab3-parallelism", "lab4-shard-map", "lab5-scaling", "lab6-memory"}
 
 
 @pytest.mark.parametrize("lab", harness.labs())

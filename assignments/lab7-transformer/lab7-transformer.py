@@ -353,8 +353,10 @@ def show_layout(params):
 # Explicit-mode equivalent:
 
 # %% tags=["claim:lab7-axis-types"]
-explicit_mesh = jax.make_mesh((4, 2), ("data", "model"), devices=devices)  # no axis_types
-print("jax.make_mesh's default axis types:", explicit_mesh.axis_types)
+default_mesh = jax.make_mesh((4, 2), ("data", "model"), devices=devices)  # no axis_types
+print("jax.make_mesh's default axis types:", default_mesh.axis_types)  # Auto before JAX 0.9
+explicit_mesh = jax.make_mesh((4, 2), ("data", "model"), devices=devices,
+                              axis_types=(jax.sharding.AxisType.Explicit,) * 2)
 rows_split = jax.device_put(jnp.ones((BATCH, cfg.d_model)), NamedSharding(explicit_mesh,
                                                                           P("data", None)))
 print("Explicit: jax.typeof(x) =", jax.typeof(rows_split))
@@ -371,7 +373,7 @@ print("Explicit: jax.typeof(reshard(x, P('data', 'model'))) =", jax.typeof(resha
 auto_rows = jax.device_put(jnp.ones((BATCH, cfg.d_model)), NamedSharding(mesh, P("data", None)))
 print("Auto: jax.typeof(x) =", jax.typeof(auto_rows), "and its sharding's spec is",
       auto_rows.sharding.spec)
-del rows_split, resharded, auto_rows
+del rows_split, resharded, auto_rows, default_mesh
 
 # %% [raw]
 # # BEGIN QUESTION
