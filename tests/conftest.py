@@ -85,11 +85,18 @@ def graded(tmp_path_factory):
 
     def verdict(answer):
         if answer.id not in cache:
-            # a blind or correct answer replays only what its own question reads (much less for
-            # an answer whose names later cells use: Lab 7's training run, Lab 5's pipeline and
-            # MoE layer); a wrong authored answer replays every later question it can cost, for
-            # test_answer_leaves_the_other_questions_as_declared
-            only = {answer.question} if answer.blind or answer.correct else None
+            # an answer replays only what its own question reads, and a wrong authored answer
+            # also what the later questions it declares to cost read (much less for an answer
+            # whose names later cells use: Lab 7's training run, Lab 5's pipeline and MoE
+            # layer); with JAXLAB_CORPUS_REPLAY=all a wrong authored answer replays every later
+            # question it could cost (test_answer_leaves_the_other_questions_as_declared then
+            # also sees a loss it does not declare)
+            if answer.blind or answer.correct:
+                only = {answer.question}
+            elif os.environ.get("JAXLAB_CORPUS_REPLAY") == "all":
+                only = None
+            else:
+                only = {answer.question, *answer.other_questions_lose}
             cache[answer.id] = harness(answer.lab).grade(answer, only=only)
         return cache[answer.id]
 
