@@ -1326,9 +1326,9 @@ def test_q5_public(mp_loss, loss_fn, params, tokens, cfg):
         size = max(float(np.linalg.norm(np.asarray(want_g, np.float64))), 1e-12)
         if not gap <= 0.10 * size:
             raise AssertionError(
-                f"the gradient of params{where} through `{call}` is {gap / size:.1%} away from "
-                "loss_fn's (the norm of the difference over the norm of the float32 gradient); "
-                "expected within 10%.")
+                f"the gradient of params{where} of `mp_loss`, through `{call}`, is "
+                f"{gap / size:.1%} away from loss_fn's (the norm of the difference over the norm "
+                "of the float32 gradient); expected within 10%.")
     steps = []
 
     def walk(jaxpr, scans):
@@ -2176,9 +2176,9 @@ def test_q9_public(time_step, mfu):
     try:
         seconds = time_step(step, (object(),), repeats)
     except Exception as exc:
-        raise AssertionError(f"`{call}` raised {form.student_error(exc)}; block on the whole "
-                             "result with jax.block_until_ready(out), which takes a tuple "
-                             "too.") from None
+        raise AssertionError(f"`{call}` raised {form.student_error(exc)}; expected a time: "
+                             "block on the whole result with jax.block_until_ready(out), "
+                             "which takes a tuple too.") from None
     got = form.evidence(seconds)
     if got["kind"] != "number" or got.get("is_int"):
         raise AssertionError(f"`{call}` returned {form.describe(got)}; expected a Python float.")
@@ -2409,8 +2409,9 @@ def test_q10_public(composed_loss_and_grad, loss_fn, params, tokens, mesh, cfg):
     weights = {(D, D), (D, F), (F, D)}
     if all(any(tuple(v.aval.shape[1:]) in {(L,) + w for w in weights}
                for v in eqn.outvars[eqn.params["num_carry"]:]) for eqn, _ in outer):
-        raise AssertionError(f"{words}, the scan over the microbatches stacks every "
-                             "microbatch's gradient; expected it to carry running sums.")
+        raise AssertionError(f"{words}, the scan over the microbatches in "
+                             "`composed_loss_and_grad` stacks every microbatch's gradient; "
+                             "expected it to carry running sums.")
 
     def trimmed(entries):
         entries = list(entries)
@@ -2447,7 +2448,8 @@ def test_q10_public(composed_loss_and_grad, loss_fn, params, tokens, mesh, cfg):
                 if id(v) not in inputs and tuple(getattr(v.aval, "shape", ())) in weights]
         if kept:
             raise AssertionError(
-                f"{words}, the scan over the layers hands {len(kept)} gathered weight(s) per "
+                f"{words}, the scan over the layers in `composed_loss_and_grad` hands "
+                f"{len(kept)} gathered weight(s) per "
                 f"layer (shapes {sorted(set(kept))}) to the backward pass; expected the scan's "
                 "body under jax.checkpoint, so that the backward pass gathers each layer again.")
 

@@ -1290,7 +1290,8 @@ def _q7(ev):
                         _canonical(given["entries"]) == _canonical(sharding.get("spec", [])):
                     _fail(f"`{call}`{_path_words(path)} is laid out "
                           f"{form.spec_repr(sharding['spec'])}, as your `fsdp_specs` lays it "
-                          f"out; but Part B's table says {form.spec_repr(list(wanted))}: fix "
+                          f"out; expected {form.spec_repr(list(wanted))}, as Part B's table "
+                          "says: fix "
                           "`fsdp_specs` (Task 3), and restore_state, which builds on it, "
                           "follows.")
                 _fail(f"`{call}`{_path_words(path)} is laid out "
