@@ -356,9 +356,9 @@ print(f"single-device loss: {float(mlp_loss(mlp_params, (x_mlp, y_mlp))):.4f}")
 #   `model`, `b2` replicated;
 # * `forward_2d(params, x)`: the MLP's forward pass, wrapped in `jax.jit`, for arrays laid out
 #   like `params_2d` and `x_2d` (any batch size divisible by 4). The hidden activations must stay
-#   split over `model` (never gather `W1`), and the output must come out split over `data` and
-#   replicated over `model`: `jax.typeof` of the output reads `float32[32@data,8]` for 32
-#   examples;
+#   split over `model` (no `all_gather` of any array: the Megatron layout needs none), and the
+#   output must come out split over `data` and replicated over `model`: `jax.typeof` of the
+#   output reads `float32[32@data,8]` for 32 examples;
 # * `out_2d = forward_2d(params_2d, x_2d)`.
 
 # %% [raw]
