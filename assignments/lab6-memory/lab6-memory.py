@@ -121,6 +121,8 @@ devices = devices[:N_DEVICES]
 print(f"Using {len(devices)} {devices[0].platform.upper()} devices.")
 
 # %%
+import contextlib
+import io
 import math
 import re
 from functools import partial
@@ -171,11 +173,15 @@ print("tanh's derivative, as JAX computes it (the JVP of tanh):")
 print(jax.make_jaxpr(lambda x: jax.jvp(jnp.tanh, (x,), (x,)))(demo_x))
 
 # %% [markdown]
-# The input `x` and the weights come from the arguments (they are in memory anyway). Two arrays
-# of shape `(batch, width)` are new memory: the `tanh` output `y`, and `1 - y`. JAX writes the
-# derivative `1 - y**2` as `(1 + y)(1 - y)` (the `sub 1.0` in the JVP printed above), and
-# `1 - y` is computed in the forward pass, so it is kept too. A `tanh` layer keeps **two**
-# activations of shape `(batch, width)` besides its input.
+# The input `x` and the weights come from the arguments (they are in memory anyway). With JAX
+# 0.10.2, the version this lab is graded with, two arrays of shape `(batch, width)` are new
+# memory: the `tanh` output `y`, and `1 - y`. JAX writes the derivative `1 - y**2` as
+# `(1 + y)(1 - y)` (the `sub 1.0` in the JVP printed above), and `1 - y` is computed in the
+# forward pass, so it is kept too: a `tanh` layer keeps **two** activations of shape
+# `(batch, width)` besides its input. JAX 0.12 computes the derivative with a primitive of its
+# own (`one_minus_square` in the JVP) and keeps `1 - y**2` alone: **one** activation. What is
+# kept is each primitive's differentiation rule's choice, and it changes between versions: the
+# lists printed here say what your JAX keeps.
 #
 # ### Deep networks as a `lax.scan`
 #
@@ -211,11 +217,18 @@ def deep_loss(params, x, y):
 
 deep_params, deep_x, deep_y = init_deep(jax.random.key(0))
 print(f"loss {float(deep_loss(deep_params, deep_x, deep_y)):.4f}")
-print_saved_residuals(deep_loss, deep_params, deep_x, deep_y)
+saved_text = io.StringIO()
+with contextlib.redirect_stdout(saved_text):
+    print_saved_residuals(deep_loss, deep_params, deep_x, deep_y)
+print(saved_text.getvalue(), end="")
+STACKED = sum(line.startswith(f"f32[{N_LAYERS},{BATCH},{WIDTH}]")
+              for line in saved_text.getvalue().splitlines())
+print(f"JAX {jax.__version__}: {STACKED} stacked residuals of shape {(N_LAYERS, BATCH, WIDTH)}")
 
 # %% [markdown]
-# Three arrays of shape `(16, 64, 128)`, for all 16 layers: every layer's input, its `tanh`
-# output and `1 - tanh` of it, as for the one layer above. They grow with the depth.
+# Arrays of shape `(16, 64, 128)`, for all 16 layers: every layer's input and what the layer
+# above keeps, stacked: three with JAX 0.10.2 (the input, the `tanh` output and `1 - tanh` of
+# it), two with JAX 0.12 (the input and `1 - tanh**2`). They grow with the depth.
 #
 # ### What the compiled program needs
 #
@@ -239,8 +252,8 @@ print(f"arguments {plain.argument_size_in_bytes / MiB:.2f} MiB, "
       f"temporary {plain.temp_size_in_bytes / MiB:.2f} MiB")
 
 # %% [markdown]
-# The same for other depths, compiled from shapes only. Each layer adds its three residuals,
-# three arrays of `BATCH × WIDTH` float32 numbers, to the temporary memory; and the compiled
+# The same for other depths, compiled from shapes only. Each layer adds its residuals, `STACKED`
+# arrays of `BATCH × WIDTH` float32 numbers, to the temporary memory; and the compiled
 # program holds as many matrix products (`dot` in its text, `compiled.as_text()`) at every
 # depth: the forward product and the two of the backward pass, once, in the loop's body.
 
@@ -274,8 +287,8 @@ def per_layer_kib(temps):
 plain_products = []
 plain_by_depth = temp_by_depth(deep_loss, plain_products)
 print("layers:", DEPTHS, " temporary MiB:", [round(m, 2) for m in plain_by_depth])
-print(f"each layer adds {per_layer_kib(plain_by_depth):.1f} KiB; three (batch, width) float32 "
-      f"arrays are {3 * BATCH * WIDTH * 4 / 1024:.1f} KiB")
+print(f"each layer adds {per_layer_kib(plain_by_depth):.1f} KiB; its {STACKED} residuals, "
+      f"(batch, width) float32 arrays, are {STACKED * BATCH * WIDTH * 4 / 1024:.1f} KiB")
 print("matrix products in the compiled program:", plain_products)
 
 # %% [markdown]
@@ -300,15 +313,17 @@ print_saved_residuals(lambda W, x: jnp.sum(jax.checkpoint(layer)(x, W, demo_b)),
 # scan**, `jax.checkpoint` keeps each layer's input (the carry the scan hands to it) and nothing
 # else from inside the layer. Put around the whole scan, it keeps only the network's input, and
 # the backward pass then reruns the whole scan, storing every residual of every layer at once:
-# no saving at all (the first line below: the same temporary memory as `deep_loss`, and more
-# FLOPs).
+# no saving at all (the first lines below: about the same temporary memory as `deep_loss`,
+# within 5%, and more FLOPs).
 #
 # The compiler may also undo a checkpoint. In a straight-line program (a Python `for` loop over
 # the layers) JAX marks the recomputed values so that the compiler does not merge them with the
-# forward pass's (`prevent_cse=True`, the default), yet XLA's CPU compiler, measured below,
-# computes each product only once and keeps the values: the compiled loop of checkpointed layers
-# has exactly the matrix products of the plain loop and needs no less memory. Inside a scan the
-# recomputation stays where it is. So checkpoint the body of a scan.
+# forward pass's (`prevent_cse=True`, the default), yet with JAX 0.10.2 XLA's CPU compiler,
+# measured below, computes each product only once and keeps the values: the compiled loop of
+# checkpointed layers has exactly the matrix products of the plain loop and needs no less
+# memory. (With JAX 0.12 the recomputed products stay, 31 against 23 at 8 layers, and the memory
+# is still no less.) Inside a scan the recomputation stays where it is, and saves memory. So
+# checkpoint the body of a scan.
 
 # %% tags=["claim:lab6-checkpoint-placement"]
 def checkpointed_network_loss(params, x, y):
@@ -333,7 +348,7 @@ def memory_row(label, loss_fn, n_layers):
           f" {compiled.as_text().count(' dot('):3d} matrix products")
 
 
-print(f"{N_LAYERS} layers as a lax.scan (loop bodies counted once):")
+print(f"JAX {jax.__version__}; {N_LAYERS} layers as a lax.scan (loop bodies counted once):")
 memory_row("  deep_loss", deep_loss, N_LAYERS)
 memory_row("  jax.checkpoint around the whole scan", checkpointed_network_loss, N_LAYERS)
 print(f"{DEPTHS[1]} layers as a Python loop (every product in the program):")
@@ -479,8 +494,8 @@ if answered(remat_loss):
           f"{remat_by_depth[DEPTHS.index(N_LAYERS)]:.2f} MiB with jax.checkpoint, "
           f"{plain_by_depth[DEPTHS.index(N_LAYERS)]:.2f} MiB without")
     print(f"each layer adds {per_layer_kib(remat_by_depth):.1f} KiB with jax.checkpoint, "
-          f"{per_layer_kib(plain_by_depth):.1f} KiB without; one (batch, width) float32 array is "
-          f"{BATCH * WIDTH * 4 / 1024:.1f} KiB")
+          f"{per_layer_kib(plain_by_depth):.1f} KiB without ({STACKED} residuals); one (batch, "
+          f"width) float32 array is {BATCH * WIDTH * 4 / 1024:.1f} KiB")
     flops = [compiled_grad(f, deep_params, deep_x, deep_y).cost_analysis()["flops"]
              for f in (deep_loss, remat_loss)]
     print(f"FLOPs of the gradient (the loop body once): {flops[1] / 1e6:.2f} M with "
@@ -498,7 +513,8 @@ if answered(remat_loss):
 
 # %% [markdown]
 # Both lines grow with the depth: the checkpointed scan still keeps one activation per layer,
-# but only one instead of three (the KiB each layer adds, printed above). The FLOPs grow by a
+# but only one instead of `STACKED` (three with JAX 0.10.2, two with 0.12: the KiB each layer
+# adds, printed above). The FLOPs grow by a
 # third: the backward pass runs each layer forward again, and the backward pass of a layer
 # costs about twice its forward pass.
 #

@@ -33,26 +33,45 @@ def _new(residuals):
 
 
 def layer_residuals(text):
-    # "Two arrays of shape (batch, width) are new memory: the tanh output y, and 1 - y"
+    # "With JAX 0.10.2 ... two arrays of shape (batch, width) are new memory: the tanh output y,
+    # and 1 - y"; "JAX 0.12 computes the derivative with a primitive of its own
+    # (one_minus_square in the JVP) and keeps 1 - y**2 alone"
     new = _new(_residuals(text))
     kinds = sorted(source.split()[2] for _, source in new)
-    assert kinds == ["sub", "tanh"], new
     assert all(shape == "f32[2,4]" for shape, _ in new), new
-    assert re.search(r"= sub 1\.0", text), "the JVP of tanh computes 1 - tanh"
+    if "one_minus_square" in text:  # JAX 0.12
+        assert kinds == ["one_minus_square"], new
+    else:
+        assert kinds == ["sub", "tanh"], new
+        assert re.search(r"= sub 1\.0", text), "the JVP of tanh computes 1 - tanh"
+
+
+def _jax_version(text):
+    major, minor = re.search(r"JAX (\d+)\.(\d+)", text).groups()
+    return int(major), int(minor)
+
+
+def _kept_per_layer(text):
+    """What the text says a tanh layer of the scan keeps, input included: three arrays with JAX
+    0.10.2, two with 0.12."""
+    return 2 if _jax_version(text) >= (0, 12) else 3
 
 
 def scan_residuals(text):
-    # "Three arrays of shape (16, 64, 128), for all 16 layers"
+    # "Arrays of shape (16, 64, 128), for all 16 layers ... three with JAX 0.10.2, two with 0.12"
     stacked = [r for r in _new(_residuals(text)) if r[0] == "f32[16,64,128]"]
-    assert len(stacked) == 3, _residuals(text)
+    assert len(stacked) == _kept_per_layer(text), _residuals(text)
+    printed, = _numbers(text, rf"JAX [\d.]+: ({NUMBER}) stacked residuals")
+    assert printed == len(stacked), (printed, stacked)
 
 
 def memory_grows_with_depth(text):
-    # "Each layer adds its three residuals, three arrays of BATCH x WIDTH float32 numbers"
+    # "Each layer adds its residuals, STACKED arrays of BATCH x WIDTH float32 numbers"
     temps = _list(text, "temporary MiB:")
     assert all(a < b for a, b in zip(temps, temps[1:])), temps
-    added, three = _numbers(text, rf"each layer adds ({NUMBER}) KiB; three .* are ({NUMBER}) KiB")
-    assert math.isclose(added, three, rel_tol=0.1), (added, three)
+    added, kept = _numbers(text, rf"each layer adds ({NUMBER}) KiB; its \d+ residuals, .* are "
+                                 rf"({NUMBER}) KiB")
+    assert math.isclose(added, kept, rel_tol=0.1), (added, kept)
 
 
 def scan_program_size(text):
@@ -78,9 +97,16 @@ def checkpoint_placement(text):
     # layers has exactly the matrix products of the plain loop and needs no less memory"
     rows = _memory_rows(text)
     plain, whole = rows["deep_loss"], rows["jax.checkpoint around the whole scan"]
-    assert math.isclose(whole[0], plain[0], rel_tol=0.02) and whole[1] > plain[1], rows
+    # "about the same temporary memory as deep_loss, within 5%" (equal on JAX 0.10.2; 1.19
+    # against 1.16 MiB on 0.12)
+    assert math.isclose(whole[0], plain[0], rel_tol=0.05) and whole[1] > plain[1], rows
+    # "(With JAX 0.12 the recomputed products stay ... and the memory is still no less.)"
     loop, loop_checkpointed = rows["plain layers"], rows["checkpointed layers"]
-    assert loop_checkpointed[0] >= loop[0] and loop_checkpointed[2] == loop[2], rows
+    assert loop_checkpointed[0] >= loop[0], rows
+    if _jax_version(text) >= (0, 12):
+        assert loop_checkpointed[2] > loop[2], rows
+    else:
+        assert loop_checkpointed[2] == loop[2], rows
 
 
 def remat_memory(text):
@@ -88,11 +114,11 @@ def remat_memory(text):
     # three"; Task 1's threshold, which the lab's own scan meets at the notebook's sizes
     remat, plain = _numbers(text, rf"({NUMBER}) MiB with jax\.checkpoint, ({NUMBER}) MiB without$")
     assert remat / plain < 0.8, (remat, plain)
-    per_remat, per_plain, one = _numbers(
-        text, rf"each layer adds ({NUMBER}) KiB with jax\.checkpoint, ({NUMBER}) KiB without; "
-              rf"one .* is ({NUMBER}) KiB")
+    per_remat, per_plain, kept, one = _numbers(
+        text, rf"each layer adds ({NUMBER}) KiB with jax\.checkpoint, ({NUMBER}) KiB without "
+              rf"\(({NUMBER}) residuals\); one .* is ({NUMBER}) KiB")
     assert math.isclose(per_remat, one, rel_tol=0.1), (per_remat, one)
-    assert math.isclose(per_plain, 3 * one, rel_tol=0.1), (per_plain, one)
+    assert kept in (2, 3) and math.isclose(per_plain, kept * one, rel_tol=0.1), (per_plain, one)
 
 
 def remat_flops(text):
