@@ -1084,7 +1084,9 @@ def test_q4_public(fsdp_loss_and_grad, loss_fn, params, tokens, mesh, cfg):
             continue
         body = eqn.params["jaxpr"].jaxpr
         inputs = {id(v) for v in body.invars}
-        kept = [tuple(v.aval.shape) for v in body.outvars[eqn.params["num_carry"]:]
+        n_carry = (eqn.params["num_carry"] if "num_carry" in eqn.params  # JAX 0.12: a flat
+                   else len(eqn.params["ft_out"].unpack()[0]))          # tree, ft_out
+        kept = [tuple(v.aval.shape) for v in body.outvars[n_carry:]
                 if id(v) not in inputs and tuple(getattr(v.aval, "shape", ())) in weights]
         if kept:
             raise AssertionError(
@@ -1546,8 +1548,11 @@ def test_q6_public(accumulated_loss_and_grad, loss_fn, params, tokens, cfg):
             f"(the scans there have lengths {found or 'none'}{layers}); expected one scan over "
             "the microbatches.")
     weights = {tuple(x.shape) for x in jax.tree.leaves(params)}
+    def n_carry(eqn):  # the scan's carried outputs; the rest are stacked (JAX 0.12: ft_out)
+        return (eqn.params["num_carry"] if "num_carry" in eqn.params
+                else len(eqn.params["ft_out"].unpack()[0]))
     if all(any(tuple(v.aval.shape[1:]) in weights and v.aval.shape[:1] == (n_micro,)
-               for v in eqn.outvars[eqn.params["num_carry"]:]) for eqn in over_micro):
+               for v in eqn.outvars[n_carry(eqn):]) for eqn in over_micro):
         raise AssertionError(
             "the scan over the microbatches in `accumulated_loss_and_grad` returns every "
             f"microbatch's gradient, stacked ({n_micro} of them), and they are averaged "
@@ -2407,8 +2412,11 @@ def test_q10_public(composed_loss_and_grad, loss_fn, params, tokens, mesh, cfg):
         raise AssertionError(f"{words}, `composed_loss_and_grad` has no lax.scan of length "
                              f"{n_micro} (over the microbatches) at its top level; expected one.")
     weights = {(D, D), (D, F), (F, D)}
+    def n_carry(eqn):  # the scan's carried outputs; the rest are stacked (JAX 0.12: ft_out)
+        return (eqn.params["num_carry"] if "num_carry" in eqn.params
+                else len(eqn.params["ft_out"].unpack()[0]))
     if all(any(tuple(v.aval.shape[1:]) in {(L,) + w for w in weights}
-               for v in eqn.outvars[eqn.params["num_carry"]:]) for eqn, _ in outer):
+               for v in eqn.outvars[n_carry(eqn):]) for eqn, _ in outer):
         raise AssertionError(f"{words}, the scan over the microbatches in "
                              "`composed_loss_and_grad` stacks every microbatch's gradient; "
                              "expected it to carry running sums.")
@@ -2444,7 +2452,9 @@ def test_q10_public(composed_loss_and_grad, loss_fn, params, tokens, mesh, cfg):
             continue
         body = eqn.params["jaxpr"].jaxpr
         inputs = {id(v) for v in body.invars}
-        kept = [tuple(v.aval.shape) for v in body.outvars[eqn.params["num_carry"]:]
+        n_carry = (eqn.params["num_carry"] if "num_carry" in eqn.params  # JAX 0.12: a flat
+                   else len(eqn.params["ft_out"].unpack()[0]))          # tree, ft_out
+        kept = [tuple(v.aval.shape) for v in body.outvars[n_carry:]
                 if id(v) not in inputs and tuple(getattr(v.aval, "shape", ())) in weights]
         if kept:
             raise AssertionError(

@@ -423,11 +423,24 @@ def _q3(ev):
 
 
 # =========================================================================== programs
-def _walk(jaxpr, scans, steps):
+PASS_THROUGH = {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "copy",
+                "copy_p", "sharding_constraint"}
+
+
+def _walk(jaxpr, scans, steps, rounded_in=()):
     """Every equation of ``jaxpr`` and the jaxprs nested in it, with the scans (their lengths,
     outermost first) it runs inside."""
+    # this jaxpr's values made by rounding a float32 value to bfloat16 (or sliced from one)
+    rounded = set(rounded_in)
+    origin = {}  # value -> the primitive that computed it, through reshapes and the like
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        made_by = (origin.get(id(eqn.invars[0])) if name in PASS_THROUGH and eqn.invars
+                   else name)
+        origin.update((id(v), made_by) for v in eqn.outvars)
+        if name in PASS_THROUGH | {"slice", "dynamic_slice", "gather"} and eqn.invars and \
+                id(eqn.invars[0]) in rounded:
+            rounded.update(id(v) for v in eqn.outvars)
         step = {"prim": name, "scans": list(scans),
                 "in": [[int(n) for n in getattr(v.aval, "shape", ())] for v in eqn.invars],
                 "in_dtypes": [str(getattr(v.aval, "dtype", "")) for v in eqn.invars],
@@ -440,12 +453,24 @@ def _walk(jaxpr, scans, steps):
             mesh = getattr(sharding, "mesh", None)
             step["mesh"] = (None if mesh is None else
                             {str(a): int(mesh.shape[a]) for a in mesh.axis_names})
+        if name == "convert_element_type":
+            dtypes = (step["in_dtypes"][0], step["out_dtypes"][0])
+            # (the backward pass rounds a product's float32 cotangent to its bfloat16 operand's
+            # dtype and back: the rounded value a product made is no parameter's or activation's)
+            if dtypes == ("float32", "bfloat16") and \
+                    origin.get(id(eqn.invars[0])) != "dot_general":
+                rounded.update(id(v) for v in eqn.outvars)
+            # a float32 value rounded to bfloat16 and used again as float32 (say a norm's
+            # weight): bfloat16 outside the products, with float32 dtypes all along after it
+            step["round_trip"] = dtypes == ("bfloat16", "float32") and id(eqn.invars[0]) in rounded
         if name == "dot_general":
             pref = eqn.params.get("preferred_element_type")
             step["preferred"] = None if pref is None else str(np.dtype(pref))
         if name == "scan":
             step["length"] = int(eqn.params["length"])
-            step["carry"] = int(eqn.params["num_carry"])  # outputs after these are stacked
+            # outputs after these are stacked (JAX 0.12 keeps the count in its flat tree ft_out)
+            step["carry"] = int(eqn.params["num_carry"] if "num_carry" in eqn.params
+                                else len(eqn.params["ft_out"].unpack()[0]))
             step["reverse"] = bool(eqn.params.get("reverse", False))
             body = eqn.params["jaxpr"].jaxpr
             inputs = {id(v) for v in body.invars}
@@ -456,7 +481,11 @@ def _walk(jaxpr, scans, steps):
         steps.append(step)
         inner = scans + ([int(eqn.params["length"])] if name == "scan" else [])
         for sub in form._sub_jaxprs(eqn.params):
-            _walk(getattr(sub, "jaxpr", sub), inner, steps)
+            sub = getattr(sub, "jaxpr", sub)
+            # a nested jaxpr (checkpoint, scan, jit) receives the equation's operands in order
+            passed = () if len(sub.invars) != len(eqn.invars) else [
+                id(inner_v) for v, inner_v in zip(eqn.invars, sub.invars) if id(v) in rounded]
+            _walk(sub, inner, steps, passed)
 
 
 def _trace(fn, *args):
@@ -884,6 +913,17 @@ def _q5(ev):
                   f"(shape {tuple(low[0]['out'][0])}); expected everything but the matrix "
                   "products' operands to stay float32 (norms, softmax, gelu, the residual "
                   "stream and the loss).")
+        _no_round_trip("mp_loss", steps, case["words"], "")
+
+
+def _no_round_trip(name, steps, words, as_in):
+    trips = [s for s in steps if s.get("round_trip")]
+    if trips:
+        _fail(f"traced {words}, `{name}` rounds a float32 value of shape "
+              f"{tuple(trips[0]['out'][0])} to bfloat16 and then computes with it in float32 (a "
+              "norm's weights, say, cast with the parameters); expected only the matrix "
+              "products' operands in bfloat16, everything else float32 at full precision"
+              f"{as_in}.")
 
 
 def _float32_loss(call, ev, why):
@@ -1382,6 +1422,12 @@ def _q8(ev):
 
 
 # ---- q9: timing and MFU
+_CLOCK = time.perf_counter  # the fake steps' own clock: the student's calls are counted apart
+# names that read time.perf_counter in a function's code (a `from time import perf_counter`
+# binds the function before the probe can count its calls; timeit's default_timer is it too)
+PERF_COUNTER_NAMES = {"perf_counter", "perf_counter_ns", "default_timer"}
+
+
 class _Done:
     """What a fake step returns: done at ``at`` (perf_counter); blocking waits until then."""
 
@@ -1389,7 +1435,7 @@ class _Done:
         self.at = at
 
     def block_until_ready(self):
-        time.sleep(max(0.0, self.at - time.perf_counter()))
+        time.sleep(max(0.0, self.at - _CLOCK()))
         return self
 
     def __array__(self, dtype=None, copy=None):
@@ -1420,7 +1466,7 @@ class _FakeStep:
             work = self.work[0] + FIRST_RUN_S
         else:
             work = self.work[(self.calls - 2) % len(self.work)]
-        self.busy_until = max(time.perf_counter(), self.busy_until) + work
+        self.busy_until = max(_CLOCK(), self.busy_until) + work
         done = _Done(self.busy_until)
         return (done, _Done(self.busy_until)) if self.result == "tuple" else done
 
@@ -1442,6 +1488,17 @@ TIMING_LOW, TIMING_HIGH, TIMING_SLACK = 0.9, 1.5, 0.004
 MFU_CASES = 4
 
 
+def _code_names(code):
+    """The global and attribute names a code object and the functions inside it read."""
+    if code is None:
+        return set()
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
 def _probe_timing(values):
     time_step, mfu = values.get("time_step"), values.get("mfu")
     ev = form.evidence_of({"time_step": time_step, "mfu": mfu})
@@ -1453,12 +1510,18 @@ def _probe_timing(values):
             step = _FakeStep(compile_s, work, args, result)
             record = {"compile": compile_s, "work": list(work), "repeats": repeats,
                       "result": result}
+            counted = []
+            time.perf_counter = lambda: counted.append(1) or _CLOCK()
             try:
                 record["output"] = form.evidence(_quiet(time_step, step, args, repeats))
             except Exception as exc:
                 record["output"] = {"kind": "error", "error": _error(exc)}
+            finally:
+                time.perf_counter = _CLOCK
+            record["perf_counter_calls"] = len(counted)
             record.update(calls=step.calls, bad_args=step.bad_args)
             ev["timing"].append(record)
+        ev["code_names"] = sorted(_code_names(getattr(time_step, "__code__", None)))
     if callable(mfu):
         ev["mfu_cases"] = []
         for _ in range(MFU_CASES):
@@ -1499,6 +1562,13 @@ def _q9(ev):
         if record["calls"] != repeats + 1:
             _fail(f"`{call}` called the step {record['calls']} times; expected {repeats + 1}: "
                   f"once to compile, then {repeats} timed calls.")
+        if record.get("perf_counter_calls", 2) < 2 and \
+                not PERF_COUNTER_NAMES & set(ev.get("code_names", PERF_COUNTER_NAMES)):
+            _fail(f"`{call}` called time.perf_counter() {record['perf_counter_calls']} "
+                  "time(s) and reads no perf_counter; expected the clock the task names, "
+                  "time.perf_counter(): a monotonic clock of the best resolution available, "
+                  "where time.time() follows the system's wall clock, which can be set or "
+                  "adjusted while you time.")
         seconds = out["value"]
         if TIMING_LOW * mean <= seconds <= TIMING_HIGH * mean + TIMING_SLACK:
             continue
@@ -1558,7 +1628,9 @@ def _probe_composed(values):
         cfg = _fresh_config(sizes, model=model, data=data, n_layers=int(sizes.integers(2, 4)))
         while cfg.d_ff == cfg.d_model:
             cfg = cfg._replace(d_ff=cfg.d_ff + model * data)
-        batch = data * Q10_MICRO * int(sizes.integers(1, 3))
+        # a batch other than n_micro ** 2 rows: microbatches reshaped with their two sizes
+        # swapped then make a scan of another length (with 4 rows in 2 they were the same)
+        batch = data * Q10_MICRO * 2
         params, tokens = _fresh_params(rng, cfg), _fresh_tokens(rng, cfg, batch, cfg.seq)
         mesh = _mesh((data, model))
         sharded = _shard(params, mesh, _fsdp_spec)
@@ -1658,6 +1730,7 @@ def _q10(ev):
             _fail(f"traced {words}, `{name}` computes `{bad[0]['prim']}` in bfloat16 (shape "
                   f"{tuple(bad[0]['out'][0])}); expected everything but the matrix products' "
                   "operands to stay float32, as in Task 5.")
+        _no_round_trip(name, steps, words, ", as in Task 5")
 
 
 # =========================================================================== questions
