@@ -1,7 +1,6 @@
 """Paths and helpers shared by the test modules (imported as ``labs``, not from conftest:
 tests/grade has a conftest of its own, and two modules named conftest shadow each other)."""
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -24,15 +23,3 @@ def release_paths(lab):
 def run_python(code, timeout=300):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def claims_module(lab):
-    """tests/claims/<lab>.py as a module (``CLAIMS``: {id: check}; ``STUDENT_KERNEL``: the ids
-    measured in a student's kernel), or None when the lab has none (docs/claims.md)."""
-    path = ROOT / "tests" / "claims" / f"{lab}.py"
-    if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location(f"claims_{lab.replace('-', '_')}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -254,8 +254,3 @@ CLAIMS = {
     "lab4-trap-converges": trap_converges,
     "lab4-peak-memory": peak_memory,
 }
-
-# Measured where a student's kernel runs (test_colab.py's Colab-like run of the solution answers),
-# not in the answer harness's kernel: that one keeps a snapshot of every cell's names for the
-# corpus, and its peak (1,216 MiB for this lab, measured 2026-11-27) is no student's.
-STUDENT_KERNEL = {"lab4-peak-memory"}
