@@ -272,14 +272,14 @@ def _time_step_wall_clock(step, args, repeats):
 
 
 def _time_step_imported_perf_counter(step, args, repeats):
-    # `from time import perf_counter` binds the clock before the probe can count its calls
-    clock = perf_counter
+    # `from time import perf_counter` binds the clock before the probe can count its calls; the
+    # check reads the name in this function's code (a whole program, not a shared helper, for that)
     jax.block_until_ready(step(*args))
     start = perf_counter()
     for _ in range(repeats):
         out = step(*args)
     jax.block_until_ready(out)
-    return (clock() - start) / repeats
+    return (perf_counter() - start) / repeats
 
 
 def test_q9_wants_the_clock_the_task_names_however_it_is_imported():
