@@ -212,3 +212,25 @@ def test_public_check_helpers_speak_the_hidden_checks_words(mesh):
         form.call("bad(x)", lambda a: a @ jnp.ones(3), x)
     with pytest.raises(AssertionError, match="could not be traced"):
         form.traced("bad", lambda a: a @ jnp.ones(3), x)
+
+
+def test_a_psum_of_values_every_device_holds_is_counted(mesh):
+    """``sums_of_copies``: an all-reduce whose operand pvary made from an invariant value (the
+    pmean of a gradient jax.grad has already all-reduced), not the psum a gradient needs."""
+    one = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Explicit,))
+    xs = jax.device_put(jnp.arange(16.0), NamedSharding(one, P("i")))
+
+    def step(extra, **kw):
+        def body(w, x):
+            g = jax.grad(lambda w: jax.lax.pmean(jnp.sum(w * x), "i"))(w)
+            return jax.lax.pmean(g, "i") if extra else g
+        return jax.shard_map(body, mesh=one, in_specs=(P(), P("i")), out_specs=P(), **kw)
+
+    def copies(fn):
+        _, program = form.traced("step", fn, jnp.float32(1.0), xs)
+        return program["shard_maps"][0]["sums_of_copies"]
+
+    assert copies(step(False)) == 0  # the gradient's own all-reduce (the transpose of pvary)
+    assert copies(step(True)) == 1  # pmean of that gradient: the devices' copies added again
+    # without shard_map's replication checks nothing is marked invariant: not counted
+    assert copies(step(True, check_vma=False)) == 0

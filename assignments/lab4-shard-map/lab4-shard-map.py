@@ -1898,9 +1898,9 @@ params_replicated = jax.device_put(params_init, NamedSharding(mesh_dp, P()))
 #
 # * `update(params, xs, ys)`: one data-parallel SGD step with `jax.shard_map` on `mesh_dp` in
 #   place of `pmap`: `xs` and `ys` sharded along the batch axis, `params` replicated, the
-#   gradient averaged correctly over the devices (one step must equal `update_single`), and
-#   returning `(new_params, loss)` with both replicated (`out_specs=(P(), P())`). Wrap it in
-#   `jax.jit`.
+#   gradient averaged correctly over the devices (one step must equal `update_single`) and
+#   all-reduced once, and returning `(new_params, loss)` with both replicated
+#   (`out_specs=(P(), P())`). Wrap it in `jax.jit`.
 # * `params_trained`: the parameters after `train(update, params_replicated, xs_sharded,
 #   ys_sharded)` (1000 steps), which must match `params_single`.
 
@@ -2031,6 +2031,13 @@ def test_q10_public(update, params_trained, update_single, params_init, xs, ys, 
              "(jax.lax.pmean).")
     form.expect_operands_split("update", program, xs_sharded.shape, "xs or ys", 0,
                                "xs and ys are sharded along the batch axis (P('batch'))")
+    if any(sm["sums_of_copies"] for sm in program["shard_maps"]):
+        fail("`update` all-reduces a value that every device already holds, such as "
+             "jax.lax.pmean of the gradient of the averaged loss (inside jax.shard_map, "
+             "jax.grad with respect to replicated params already all-reduces the gradient). The "
+             "step is right, but that all-reduce is one too many; expected what the task says: "
+             "the gradient averaged over the devices and all-reduced once. Average the loss "
+             "with jax.lax.pmean and use its gradient as it is.")
     form.expect_jitted("update", program)
     form.expect_defined("params_trained", form.evidence(params_trained))
     trained = scalar_pair("params_trained", params_trained)
@@ -2097,12 +2104,24 @@ plt.show()
 # counts it), for the setup cell's 768 MB grading container:
 
 # %% tags=["claim:lab4-peak-memory"]
-try:
-    import resource
-    import sys
+import sys
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    peak_mib = peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-    print(f"peak memory of this kernel: {peak_mib:.0f} MiB")
-except ImportError:  # Windows
-    print("this system does not report the peak memory of a process")
+
+def peak_mib():
+    """This kernel's peak resident memory in MiB, or None where the system does not say."""
+    if sys.platform.startswith("linux"):
+        # VmHWM belongs to this process's own memory. ru_maxrss would not do on Linux: it keeps
+        # the peak of the process the kernel was started from (a Jupyter server, a grader).
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10  # kB
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # bytes on macOS
+
+
+peak = peak_mib()
+print("peak memory of this kernel: " + ("not available on this system" if peak is None else f"{peak:.0f} MiB"))

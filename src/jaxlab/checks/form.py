@@ -627,6 +627,21 @@ def _body(jaxpr):
     return steps
 
 
+def _sums_of_copies(jaxpr):
+    """How many psums under ``jaxpr`` add up a value every device already held the same: an
+    operand that ``pvary`` (shard_map's replication bookkeeping) made from an invariant one, as
+    ``pmean`` of a gradient that jax.grad has already all-reduced is. Such an all-reduce changes
+    nothing (pmean) or multiplies by the number of devices (psum), and costs a collective."""
+    copies = {id(v) for eqn in jaxpr.eqns if eqn.primitive.name == "pvary" for v in eqn.outvars}
+    count = sum(1 for eqn in jaxpr.eqns if eqn.primitive.name in ("psum", "psum_invariant",
+                                                                   "psum2")
+                for v in eqn.invars if id(v) in copies)
+    for eqn in jaxpr.eqns:
+        for sub in _sub_jaxprs(eqn.params):
+            count += _sums_of_copies(sub)
+    return count
+
+
 def _shard_maps(jaxpr):
     found = []
     for eqn in jaxpr.eqns:
@@ -640,6 +655,7 @@ def _shard_maps(jaxpr):
                 "out": [[_aval_shape(v), [_spec_entry(e) for e in spec]]
                         for v, spec in zip(eqn.outvars, eqn.params["out_specs"])],
                 "body": _body(eqn.params["jaxpr"]),
+                "sums_of_copies": _sums_of_copies(eqn.params["jaxpr"]),
             })
         else:
             for sub in _sub_jaxprs(eqn.params):

@@ -815,6 +815,19 @@ def _scalar_pair(name, ev):
     return items
 
 
+SUM_OF_COPIES = (
+    "all-reduces a value that every device already holds, such as jax.lax.pmean of the "
+    "gradient of the averaged loss (inside jax.shard_map, jax.grad with respect to replicated "
+    "params already all-reduces the gradient). The step is right, but that all-reduce is one "
+    "too many; expected what the task says: the gradient averaged over the devices and "
+    "all-reduced once. Average the loss with jax.lax.pmean and use its gradient as it is.")
+
+
+def _no_sum_of_copies(name, program):
+    if any(sm.get("sums_of_copies", 0) for sm in program["shard_maps"]):
+        _fail(f"`{name}` {SUM_OF_COPIES}")
+
+
 def _q10(ev):
     from jax.sharding import PartitionSpec as P
 
@@ -865,6 +878,7 @@ def _q10(ev):
               "(jax.lax.pmean).")
     _operand_layout("update", fresh["program"], fresh["xs"].shape, "xs or ys", 0,
                     "xs and ys are sharded along the batch axis (P('batch'))")
+    _no_sum_of_copies("update", fresh["program"])
     _jitted("update", fresh)
     form.expect_defined("params_trained", ev["params_trained"])
     trained = _scalar_pair("params_trained", ev["params_trained"])
