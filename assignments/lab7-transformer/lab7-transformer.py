@@ -2599,6 +2599,9 @@ if answered(fsdp_specs, composed_loss_and_grad):
             jax.eval_shape(lambda: half), state_shardings(small_mesh))
         print(f"checkpoints: steps {manager.all_steps()}")
         resumed = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(target))
+    # each compiled step holds ~200 MiB here: give back the 4 × 2 one before the 2 × 2 one
+    # compiles (Gradescope's container has 768 MB; the next cell compiles it again)
+    free_compiled()
     moment = resumed["opt"]["v"]["layers"]["w1"]
     print(f"restored at step {int(resumed['step'])} on a {dict(small_mesh.shape)} mesh; "
           f"v of w1 {moment.dtype}{list(moment.shape)} laid out {moment.sharding.spec}")
@@ -2618,6 +2621,7 @@ if answered(fsdp_specs, composed_loss_and_grad):
     plt.show()
     print(f"loss {losses[0]:.3f} → {rest[-1]:.3f} on 4 × 2; the resumed run ends at "
           f"{resumed_losses[-1]:.3f}; largest gap between the two second halves: {gap:.2e}")
+    free_compiled()
 
 # %% [markdown]
 # Last, the utilisation of one step of this run, with the host's peak measured first: a
