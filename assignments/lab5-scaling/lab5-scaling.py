@@ -954,10 +954,13 @@ if answered(stage_params):
     for name, stacked in zip(("W_stack", "b_stack"), stage_params):
         print(name, jax.typeof(stacked), "one device holds",
               stacked.addressable_shards[0].data.shape)
-    W_stack = stage_params[0]
-    blocks = W_stack.sharding.devices_indices_map(W_stack.shape)
-    for device in sorted(blocks, key=lambda d: d.id):
-        print(f"device {device.id} holds layers {list(range(W_stack.shape[0]))[blocks[device][0]]}")
+    # which of `layers` each device holds, found by the values of its block (not by position:
+    # layers stacked in another order would be numbered by where they sit)
+    W_layers = [np.asarray(W) for W, _ in layers]
+    for shard in sorted(stage_params[0].addressable_shards, key=lambda s: s.device.id):
+        held = [next((i for i, W in enumerate(W_layers) if np.array_equal(np.asarray(row), W)),
+                     "none of them") for row in shard.data]
+        print(f"device {shard.device.id} holds layers {held}")
 
 # %% [markdown]
 # ### Microbatches and the schedule
