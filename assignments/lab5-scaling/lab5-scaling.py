@@ -241,6 +241,23 @@ def print_collectives(label, fn, *args, mesh):
     for (op, over, result), count in found.items():
         print(f"  {count:3d} {op} over {over}: {result}")
 
+
+def shard_map_outputs(fn, *args):
+    """The types of what each jax.shard_map in fn's traced program returns (nested programs,
+    such as a jax.jit inside fn, included)."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "shard_map":
+                yield from (v.aval.str_short() for v in eqn.outvars)
+                continue
+            for param in eqn.params.values():
+                for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
 # %% [markdown]
 # ## Part A: a 2-D mesh, data × model
 #
@@ -542,7 +559,9 @@ def test_q1_mesh_2d(mesh_2d, x_2d, params_2d, forward_2d, out_2d):
 # # END QUESTION
 
 # %% [markdown]
-# Your forward pass, and what it communicates. Two wrong answers print the same type and the
+# Your inputs' layouts against those the task asks for, your forward pass, and what it
+# communicates. The output's type and values do not show the inputs' layouts: a batch copied on
+# every device, or `b1` replicated, prints the same output and collectives. Two wrong answers print the same type and the
 # same values as a right one: all parameters replicated (no tensor parallelism: no collective at
 # all) and the Megatron placement with the weights gathered inside `forward_2d` (all-gathers).
 # The Megatron layout compiles to one all-reduce over `model`, of the output block of each row
@@ -550,6 +569,15 @@ def test_q1_mesh_2d(mesh_2d, x_2d, params_2d, forward_2d, out_2d):
 
 # %% tags=["claim:lab5-megatron-forward"]
 if answered(out_2d, forward_2d, params_2d, x_2d):
+    # each input's layout against the one Task 1 asks for
+    W1_2d, b1_2d, W2_2d, b2_2d = params_2d
+    for name, value, spec in (("x_2d", x_2d, P("data", None)), ("W1", W1_2d, P(None, "model")),
+                              ("b1", b1_2d, P("model")), ("W2", W2_2d, P("model", None)),
+                              ("b2", b2_2d, P())):
+        sharding = getattr(value, "sharding", None)
+        as_asked = sharding is not None and sharding.is_equivalent_to(
+            NamedSharding(mesh_2d, spec), value.ndim)
+        print(f"{name}: {jax.typeof(value)}, laid out as the task asks: {as_asked}")
     print("output:", jax.typeof(out_2d))
     print("same as one device:", np.allclose(out_2d, forward(mlp_params, x_mlp), atol=1e-5))
     print_collectives("forward_2d(params_2d, x_2d), compiled", forward_2d, params_2d, x_2d,
@@ -773,7 +801,9 @@ def test_q2_dp_tp_shard_map(loss_2d, mesh_2d):
 # # END QUESTION
 
 # %% [markdown]
-# Your loss, its gradient, and what each communicates when compiled. The type of a gradient
+# Your loss, what its `shard_map` hands back (read from the traced program: predictions
+# returned and averaged outside it give the same loss, gradient and collectives), its gradient,
+# and what each communicates when compiled. The type of a gradient
 # follows the parameter's sharding whatever happened inside, and an answer without tensor
 # parallelism (the parameters gathered and replicated, no `psum` over `model`) prints the same
 # loss, gradient and type: its collectives tell it apart (all-gathers, no all-reduce over
@@ -785,6 +815,8 @@ if answered(loss_2d, params_2d, x_2d):
     grads_2d = jax.jit(jax.grad(loss_2d))(params_2d, batch_2d)
     grads_1 = jax.grad(mlp_loss)(mlp_params, (x_mlp, y_mlp))
     print(f"loss {float(jax.jit(loss_2d)(params_2d, batch_2d)):.4f}")
+    print("what the shard_map returns:", shard_map_outputs(loss_2d, params_2d, batch_2d),
+          "(the task's: the loss averaged over data inside it, a scalar: ['float32[]'])")
     print("same gradient:", all(np.allclose(g, h, rtol=1e-3, atol=1e-5)
                                 for g, h in zip(grads_2d, grads_1)))
     print("W1's gradient:", jax.typeof(grads_2d[0]))
@@ -952,7 +984,8 @@ def test_q3_stage_params(mesh_stage, stage_params):
 # %% tags=["claim:lab5-stage-blocks"]
 if answered(stage_params):
     for name, stacked in zip(("W_stack", "b_stack"), stage_params):
-        print(name, jax.typeof(stacked), "one device holds",
+        print(name, jax.typeof(stacked), "laid out", getattr(stacked.sharding, "spec", None),
+              "on mesh axes", getattr(stacked.sharding.mesh, "axis_names", None), "one device holds",
               stacked.addressable_shards[0].data.shape)
     # which of `layers` each device holds, found by the values of its block (not by position:
     # layers stacked in another order would be numbered by where they sit)
@@ -1761,6 +1794,10 @@ if answered(route):
     expert, gate, slot = route(moe_tokens[:TOKENS_PER_DEVICE], moe_router, EXPERT_CAPACITY)
     print("expert:", expert)
     print("slot:  ", slot)
+    chosen = [int(e) for e in np.asarray(expert)]
+    by_definition = [chosen[:t].count(e) for t, e in enumerate(chosen)]
+    print("slots by the definition (earlier tokens with the same expert):", by_definition,
+          "- yours follow it:", np.array_equal(np.asarray(slot), by_definition))
     print("gate:  ", np.round(np.asarray(gate, np.float64), 3), " (0 = dropped)")
 
 # %% [markdown]
@@ -2744,6 +2781,16 @@ def test_q9_public(train_script, launch, pd_params_single):
     except Exception as exc:
         fail(f"`train_script` saved a file that pd_model.load_params cannot read ({exc!r:.200}); "
              "expected pd_model.save_params(OUT_FILE, params).")
+    for k, (w, b) in enumerate(found):
+        for name, a in ((f"W{k}", w), (f"b{k}", b)):
+            if not np.issubdtype(a.dtype, np.floating):
+                raw = (" (raw 2-byte records: what a bfloat16 array saved with np.savez reads "
+                       "back as; the parameters were cast to bfloat16 somewhere)"
+                       if a.dtype.kind == "V" and a.dtype.itemsize == 2 else "")
+                fail(f"`train_script` saved {name} with dtype {str(a.dtype).lstrip('|<>=')}{raw}; "
+                     "expected float32, "
+                     "the dtype of the parameters pd_model.load_params returns and training "
+                     "keeps.")
     worst = max(float(np.max(np.abs(np.asarray(a, np.float64) - b)))
                 if np.shape(a) == np.shape(b) else np.inf
                 for pair, ref in zip(found, pd_params_single) for a, b in zip(pair, ref))

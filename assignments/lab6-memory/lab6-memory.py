@@ -1878,12 +1878,34 @@ def test_q6_online_softmax(blocked_attention):
 # # END QUESTION
 
 # %%
+def largest_array(fn, *args):
+    """The shape of the largest array fn's traced program builds (nested programs, such as a
+    jax.jit or a loop's body, included)."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+            for param in eqn.params.values():
+                for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
+    return max(walk(jax.make_jaxpr(fn)(*args).jaxpr), key=math.prod, default=())
+
+
 if answered(blocked_attention, attention):
     for block_size in (1, 8, S_DEMO):
         blocked = blocked_attention(att_q, att_k, att_v, block_size)
         same = np.allclose(blocked, attention(att_q, att_k, att_v), atol=1e-5)
+        biggest = largest_array(lambda q, k, v: blocked_attention(q, k, v, block_size),
+                                att_q, att_k, att_v)
+        finite = bool(jnp.isfinite(blocked_attention(100 * att_q, 100 * att_k, att_v,
+                                                     block_size)).all())
         print(f"block size {block_size:2d}: equals attention: {same!s:5}  second row equals "
-              f"row_one (by hand): {np.allclose(blocked[1], row_one, atol=1e-5)}")
+              f"row_one: {np.allclose(blocked[1], row_one, atol=1e-5)!s:5}  finite for "
+              f"100 q, 100 k: {finite!s:5}  largest array: {' × '.join(map(str, biggest))}")
+    print(f"(S × S is {S_DEMO} × {S_DEMO}: the task allows no array that large below a block "
+          f"size of {S_DEMO})")
+
 
 # %% [markdown]
 # ### Ring attention: the sequence split over the devices

@@ -2012,7 +2012,20 @@ def _pd_saved(fresh):
         if tuple(saved[name].shape) != shapes[name]:
             _pd_fail(f"`train_script` saved {name} with shape {tuple(saved[name].shape)}; "
                      f"expected {shapes[name]}.")
+        if not np.issubdtype(saved[name].dtype, np.floating):
+            _pd_fail(f"`train_script` saved {name} with dtype {str(saved[name].dtype).lstrip('|<>=')}"
+                     f"{_pd_raw_dtype_words(saved[name].dtype)}; expected float32, the dtype of "
+                     "the parameters pd_model.load_params returns and training keeps.")
     return [(saved[f"W{i}"], saved[f"b{i}"]) for i in range(len(PD_LAYER_SIZES) - 1)]
+
+
+def _pd_raw_dtype_words(dtype):
+    # np.savez stores a bfloat16 array as raw 2-byte records: it loads back as V2, which no
+    # NumPy arithmetic accepts (measured: np.allclose raises UFuncTypeError on it)
+    if dtype.kind == "V" and dtype.itemsize == 2:
+        return (" (raw 2-byte records: what a bfloat16 array saved with np.savez reads back as; "
+                "the parameters were cast to bfloat16 somewhere)")
+    return ""
 
 
 def _pd_close_to(found, expected):
