@@ -107,10 +107,14 @@ def test_attention_demos_check_a_row_worked_out_by_hand(notebook, question, mark
 def test_task6_demo_shows_the_largest_array_and_large_scores(notebook):
     marker = "blocked = blocked_attention(att_q"
     largest = re.compile(r"^block size +(\d+):.*finite for 100 q, 100 k: (\w+) +largest array: "
-                         r"(\d+) × (\d+)$", re.M)
+                         r"(\d+) × (\d+) +score blocks computed: (\d+) \(one pass: (\d+)\)$",
+                         re.M)
 
-    def rows(text):
-        return {int(b): (finite, int(r) * int(c)) for b, finite, r, c in largest.findall(text)}
+    def rows(text, passes=False):
+        found = largest.findall(text)
+        if passes:
+            return {int(b): (int(n), int(one)) for b, _, _, _, n, one in found}
+        return {int(b): (finite, int(r) * int(c)) for b, finite, r, c, _, _ in found}
 
     right = rows(_demo(notebook, marker))
     assert right == {1: ("True", 64 * 16), 8: ("True", 64 * 16), 64: ("True", 64 * 64)}, right
@@ -119,6 +123,9 @@ def test_task6_demo_shows_the_largest_array_and_large_scores(notebook):
     assert {b: size for b, (_, size) in whole.items()} == {1: 64 * 64, 8: 64 * 64, 64: 64 * 64}
     unstable = rows(_demo(notebook, marker, ("q6_online_softmax", "no_running_maximum")))
     assert {finite for finite, _ in unstable.values()} == {"False"}, unstable
+    assert rows(_demo(notebook, marker), passes=True) == {1: (64, 64), 8: (8, 8), 64: (1, 1)}
+    twice = rows(_demo(notebook, marker, ("q6_online_softmax", "two_passes")), passes=True)
+    assert twice == {1: (128, 64), 8: (16, 8), 64: (2, 1)}, twice
 
 
 def test_task7_demo_counts_the_moves_the_loops_make(notebook):

@@ -1892,17 +1892,42 @@ def largest_array(fn, *args):
     return max(walk(jax.make_jaxpr(fn)(*args).jaxpr), key=math.prod, default=())
 
 
+def products_of_shape(fn, shape, *args):
+    """How many matrix products of this output shape fn's traced program computes, a loop's body
+    counted once per step (None inside a while loop, whose number of steps is not in the
+    program)."""
+    def walk(jaxpr, times):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape == shape:
+                yield times
+            inner = times
+            if eqn.primitive.name == "scan":
+                inner = None if times is None else times * eqn.params["length"]
+            elif eqn.primitive.name == "while":
+                inner = None
+            for param in eqn.params.values():
+                for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub, inner)
+    counts = list(walk(jax.make_jaxpr(fn)(*args).jaxpr, 1))
+    return None if None in counts else sum(counts)
+
+
 if answered(blocked_attention, attention):
     for block_size in (1, 8, S_DEMO):
         blocked = blocked_attention(att_q, att_k, att_v, block_size)
         same = np.allclose(blocked, attention(att_q, att_k, att_v), atol=1e-5)
-        biggest = largest_array(lambda q, k, v: blocked_attention(q, k, v, block_size),
-                                att_q, att_k, att_v)
+        traced = (lambda q, k, v: blocked_attention(q, k, v, block_size), att_q, att_k, att_v)
+        biggest = largest_array(*traced)
+        score_blocks = products_of_shape(traced[0], (S_DEMO, block_size), *traced[1:])
         finite = bool(jnp.isfinite(blocked_attention(100 * att_q, 100 * att_k, att_v,
                                                      block_size)).all())
         print(f"block size {block_size:2d}: equals attention: {same!s:5}  second row equals "
               f"row_one: {np.allclose(blocked[1], row_one, atol=1e-5)!s:5}  finite for "
-              f"100 q, 100 k: {finite!s:5}  largest array: {' × '.join(map(str, biggest))}")
+              f"100 q, 100 k: {finite!s:5}  largest array: {' × '.join(map(str, biggest))}  "
+              f"score blocks computed: {'?' if score_blocks is None else score_blocks} "
+              f"(one pass: {S_DEMO // block_size})")
     print(f"(S × S is {S_DEMO} × {S_DEMO}: the task allows no array that large below a block "
           f"size of {S_DEMO})")
 
